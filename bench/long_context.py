@@ -1,0 +1,273 @@
+"""Decode latency and KV bytes of one long session: our bounded cache against transformers' unbounded one.
+
+    python bench/long_context.py                          # 1k, 4k, 16k, 64k tokens of history
+    python bench/long_context.py --sizes 1024,4096        # a quick smoke run
+    python bench/long_context.py --num-threads 1          # on a machine shared with other work
+
+1. streamchat: one session through `LLM(...).engine`, exactly as the daemon
+   runs it (sink + window, defaults from CacheConfig). Its history grows
+   through `append_text` + `llm.drain()` (prefill in chunks of the scheduler's
+   per-step budget, set here to the largest chunk the window allows) to each
+   size in turn; at each size a greedy reply of --decode-tokens tokens is
+   timed step by step (the engine's own inter-token gaps), and
+   `session_stats()["kv_bytes"]` is read.
+2. transformers: the same weights and dtype with its default DynamicCache
+   (unbounded), history fed in chunks, then greedy decode timed per token.
+   It stops at the first size beyond the model's context
+   (max_position_embeddings) or the memory this machine has, and says so.
+
+History is the shipped Botchan (Project Gutenberg #8868), repeated if a size
+needs more. Prints a table, then one JSON line: latency at the largest size
+over latency at the smallest (target <= 1.15) and whether our KV bytes stay
+flat once the window is full. Not a test: numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+
+TARGET_RATIO = 1.15
+
+
+@dataclass
+class Row:
+    engine: str
+    size: int  # requested tokens of history
+    history_tokens: int | None = None  # actual tokens in the session when the reply started
+    kv_bytes: int | None = None
+    decode_ms: float | None = None  # median per-token decode latency
+    decode_p90_ms: float | None = None
+    feed_seconds: float | None = None  # feeding the history up to this size (from the previous size)
+    feed_tokens: int | None = None
+    note: str = ""
+
+
+def parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        raise SystemExit(f"--sizes: not a comma-separated list of integers: {text!r}") from None
+    if not sizes or sizes[0] <= 0:
+        raise SystemExit("--sizes: give positive token counts, e.g. 1024,4096")
+    return sizes
+
+
+def history_ids(tokenizer, num_tokens: int) -> list[int]:
+    from streamchat.evaluate import DEFAULT_TEXT
+
+    ids = tokenizer(DEFAULT_TEXT.read_text(encoding="utf-8-sig"), add_special_tokens=False,
+                    verbose=False)["input_ids"]
+    return (ids * (num_tokens // len(ids) + 1))[:num_tokens]
+
+
+def _ms(samples: list[float]) -> tuple[float | None, float | None]:
+    if not samples:
+        return None, None
+    ordered = sorted(samples)
+    return 1000 * statistics.median(ordered), 1000 * ordered[int(0.9 * (len(ordered) - 1))]
+
+
+# -- streamchat ---------------------------------------------------------------
+
+def bench_ours(config, loaded, sizes: list[int], decode_tokens: int) -> list[Row]:
+    from streamchat.llm import LLM
+    from streamchat.model.sampling import SamplingParams
+
+    llm = LLM(config, loaded)
+    engine = llm.engine
+    engine.open_session("bench")
+    ids = history_ids(loaded.tokenizer, sizes[-1])
+    rows, fed = [], 0
+    for size in sizes:
+        have = engine.session_stats("bench")["total_tokens"]
+        piece = ids[fed:fed + max(0, size - have)]
+        fed += len(piece)
+        started = time.perf_counter()
+        if piece:
+            engine.append_text("bench", loaded.tokenizer.decode(piece))
+        llm.drain()
+        feed_s = time.perf_counter() - started
+        history = engine.session_stats("bench")["total_tokens"]
+        gaps = _decode(llm, decode_tokens, SamplingParams())
+        median, p90 = _ms(gaps)
+        stats = engine.session_stats("bench")
+        rows.append(Row("streamchat", size, history, stats["kv_bytes"], median, p90, feed_s,
+                        history - have, f"cache holds {stats['context_tokens']} tokens"))
+        print(_format(rows[-1]), file=sys.stderr, flush=True)
+    engine.close_session("bench")
+    return rows
+
+
+def _decode(llm, decode_tokens: int, params, max_replies: int = 4) -> list[float]:
+    """Per-token decode latencies: the engine's own inter-token gaps over greedy replies.
+
+    A reply that ends early (end of turn) is followed by another, up to
+    `max_replies`; every reply and its end-of-turn marker join the history.
+    """
+    engine, itl, gaps = llm.engine, llm.engine.metrics.itl, []
+    for _ in range(max_replies):
+        before = len(itl)
+        rid = f"bench-{len(itl)}-{time.monotonic_ns()}"
+        engine.start_response("bench", rid, params, decode_tokens - len(gaps) + 1)
+        llm.run_until({rid: "bench"})
+        llm.drain()
+        gaps += list(itl)[before:]
+        if len(gaps) >= decode_tokens - 1:
+            break
+    return gaps
+
+
+# -- transformers -------------------------------------------------------------
+
+def bench_transformers(loaded, sizes: list[int], decode_tokens: int, chunk: int) -> list[Row]:
+    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(loaded.source.folder, dtype=loaded.model.dtype).eval()
+    max_pos = model.config.max_position_embeddings
+    per_token = loaded.model.kv_bytes_per_token(loaded.model.dtype)
+    free = _available_bytes()
+    ids = history_ids(loaded.tokenizer, sizes[-1])
+    cache, fed, rows, logits = DynamicCache(config=model.config), 0, [], None
+    for size in sizes:
+        if size + decode_tokens > max_pos:
+            rows.append(Row("transformers", size, note=f"stopped: exceeds the model's context ({max_pos})"))
+            break
+        if free is not None and (size + decode_tokens) * per_token > free // 2:
+            rows.append(Row("transformers", size, note="stopped: its KV cache would not fit in memory"))
+            break
+        have = cache.get_seq_length()
+        piece = ids[fed:fed + max(0, size - have)]
+        fed += len(piece)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for start in range(0, len(piece), chunk):
+                out = model(torch.tensor([piece[start:start + chunk]]), past_key_values=cache, use_cache=True)
+                logits = out.logits[:, -1]
+        feed_s = time.perf_counter() - started
+        history = cache.get_seq_length()
+        # the decoded tokens stay in the cache, as a reply stays in a session's history
+        gaps, logits = _hf_decode(model, cache, logits, decode_tokens)
+        median, p90 = _ms(gaps)
+        rows.append(Row("transformers", size, history, _cache_bytes(cache), median, p90, feed_s, len(piece),
+                        "unbounded DynamicCache"))
+        print(_format(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+@torch.inference_mode()
+def _hf_decode(model, cache, logits, decode_tokens: int):
+    gaps = []
+    for _ in range(decode_tokens):
+        started = time.perf_counter()
+        token = logits.argmax(-1, keepdim=True)  # (1, 1)
+        logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+        gaps.append(time.perf_counter() - started)
+    return gaps, logits
+
+
+def _cache_bytes(cache) -> int:
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# -- report -------------------------------------------------------------------
+
+HEADER = (f"{'engine':<13} {'size':>6} {'history':>7} {'kv_MiB':>8} {'decode_ms':>9} {'p90_ms':>7} "
+          f"{'feed_s':>7} {'feed_tok/s':>10}  note")
+
+
+def _format(r: Row) -> str:
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    rate = r.feed_tokens / r.feed_seconds if r.feed_seconds and r.feed_tokens else None
+    kv = None if r.kv_bytes is None else r.kv_bytes / (1 << 20)
+    return (f"{r.engine:<13} {r.size:>6} {num(r.history_tokens, 'd'):>7} {num(kv, '.2f'):>8} "
+            f"{num(r.decode_ms, '.2f'):>9} {num(r.decode_p90_ms, '.2f'):>7} {num(r.feed_seconds, '.1f'):>7} "
+            f"{num(rate, '.0f'):>10}  {r.note}")
+
+
+def summary(ours: list[Row], cache_cfg) -> dict:
+    first, last = ours[0], ours[-1]
+    ratio = last.decode_ms / first.decode_ms if first.decode_ms and last.decode_ms else None
+    full_at = cache_cfg.num_sink_blocks * cache_cfg.block_size + cache_cfg.window_tokens
+    after = [r.kv_bytes for r in ours if r.history_tokens and r.history_tokens > full_at]
+    return {
+        "latency_ratio": None if ratio is None else round(ratio, 3),
+        "ratio_sizes": [first.size, last.size],
+        "target": TARGET_RATIO,
+        "meets_target": None if ratio is None else ratio <= TARGET_RATIO,
+        "kv_flat_after_window": len(set(after)) == 1 if len(after) >= 2 else None,
+        "window_full_at_tokens": full_at,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from streamchat import settings
+    from streamchat.config import CacheConfig, ConfigError, SchedulerConfig
+    from streamchat.model.runner import load_model
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1024,4096,16384,65536", help="tokens of history, comma-separated")
+    p.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed at each size")
+    p.add_argument("--sink-tokens", type=int, default=CacheConfig.sink_tokens)
+    p.add_argument("--window-tokens", type=int, default=CacheConfig.window_tokens)
+    p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    p.add_argument("--hf-chunk", type=int, default=512, help="transformers: history tokens per forward")
+    p.add_argument("--skip-transformers", action="store_true")
+    settings.add_flags(p, ("model",))
+    args = p.parse_args(argv)
+    sizes = parse_sizes(args.sizes)
+    try:
+        cfg = settings.load(args)
+        cache = CacheConfig(block_size=args.block_size, sink_tokens=args.sink_tokens,
+                            window_tokens=args.window_tokens, prefix_sharing=False)
+        # room for one session plus one whole chunk: KVCacheManager.can_append does not
+        # credit the blocks an append's own eviction frees, so a pool of exactly
+        # max_blocks_per_session() stalls once the window is full
+        cache = dataclasses.replace(
+            cache, num_blocks=cache.max_blocks_per_session() + cache.num_window_blocks + 2)
+        window_cap = cache.num_window_blocks * cache.block_size
+        cfg = cfg.replace(cache=cache, scheduler=SchedulerConfig(max_tokens_per_step=window_cap - cache.block_size))
+        cfg.validate()
+    except ConfigError as exc:
+        print(f"long_context: error: {exc}", file=sys.stderr)
+        return 2
+    loaded = load_model(cfg.model)
+    print(f"{loaded.source.name} ({loaded.model.dtype}, {torch.get_num_threads()} threads); "
+          f"sink {cache.sink_tokens}, window {cache.window_tokens}, block {cache.block_size}", file=sys.stderr)
+    print(HEADER, file=sys.stderr)
+    # `past_key_values` is the keyword every supported transformers version takes
+    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+    ours = bench_ours(cfg, loaded, sizes, args.decode_tokens)
+    theirs = [] if args.skip_transformers else bench_transformers(loaded, sizes, args.decode_tokens, args.hf_chunk)
+    print(HEADER)
+    for r in ours + theirs:
+        print(_format(r))
+    print(json.dumps({**summary(ours, cache), "rows": [asdict(r) for r in ours + theirs]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

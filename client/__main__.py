@@ -1,0 +1,8 @@
+"""`python -m streamchat.client`: the client without the daemon's CLI."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

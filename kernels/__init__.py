@@ -1,0 +1,1 @@
+"""Triton kernels for the paged KV cache, each beside the pure-torch reference it must match."""

@@ -1,0 +1,186 @@
+"""Paged decode attention: one query token per sequence, split along the sequence (flash-decoding).
+
+Computes what `reference.paged_decode_attention` computes:
+
+    out[b, h] = softmax(q[b, h] . rope(K_b)^T * scale) @ V_b
+
+over the seq_lens[b] tokens of sequence b's table, keys rotated by cache
+position inside the kernel. Two kernels:
+
+    split kernel   grid (num_seqs, num_kv_heads, num_splits)
+                   one program reads ONE KV head over one range of tokens and
+                   attends all G = H / KVH query heads of its group to it, so
+                   each KV byte is read once per step; it writes the range's
+                   running max, sum and normalized output
+    reduce kernel  grid (num_seqs, num_heads): merges the splits
+
+    tokens:  0 ........................................ seq_len
+    splits:  [ split 0: tokens_per_split ][ split 1 ][ split 2 .. ]
+    tiles:   [BLOCK_N][BLOCK_N]...   (a tile may span several paged blocks)
+
+Layouts:
+
+    q            : (num_seqs, num_heads, head_dim), rotated, last dim contiguous
+    key_cache... : see paged_attention.py
+    block_tables : (num_seqs, max_blocks) int32, seq_lens (num_seqs,) int32, >= 1
+    part_max     : (num_seqs, num_heads, num_splits) float32 contiguous, a split's max
+                   score (log2 domain); part_sum the same, its sum of exp2(s - max)
+    part_out     : (num_seqs, num_heads, num_splits, head_dim) float32 contiguous, its
+                   normalized output: element (i, d) at i * head_dim + d, i the
+                   (seq, head, split) index of part_max
+    out          : (num_seqs, num_heads, head_dim), q's dtype
+
+Scalar loads indexed by program ids (seq_lens[seq]) are in range by the grid.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from streamchat.kernels.paged_attention import (NEG_BIG, check_pool, check_rope, check_table, dot_dtype,
+                                                head_tiles, load_kv_tile, scale_strides, softmax_step)
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it buys
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, key_ptr, value_ptr, k_scale_ptr, v_scale_ptr, table_ptr, seq_lens_ptr, cos_ptr, sin_ptr,
+    part_out_ptr, part_max_ptr, part_sum_ptr, qk_scale, tokens_per_split,
+    stride_q_seq, stride_q_head, stride_block, stride_offset, stride_head,
+    stride_scale_block, stride_scale_offset, stride_scale_head, stride_table, stride_cos,
+    stride_stat_seq, stride_stat_head,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SCALE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    g = tl.arange(0, G_PAD)
+    dh = tl.arange(0, HALF_PAD)
+    d = tl.arange(0, D_PAD)
+    head = kv_head * GROUP + g  # (G_PAD,) the query heads of this KV head's group
+    q_rows = q_ptr + seq.to(tl.int64) * stride_q_seq + head[:, None] * stride_q_head
+    q_mask = (g < GROUP)[:, None] & (dh < HALF)[None, :]
+    q1 = tl.load(q_rows + dh[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+    q2 = tl.load(q_rows + HALF + dh[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    m_i = tl.full([G_PAD], NEG_BIG, tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    table_row = table_ptr + seq.to(tl.int64) * stride_table
+    for n0 in range(start, end, BLOCK_N):
+        tokens = n0 + tl.arange(0, BLOCK_N)
+        valid = tokens < end
+        k1, k2, v = load_kv_tile(key_ptr, value_ptr, k_scale_ptr, v_scale_ptr, cos_ptr, sin_ptr, table_row,
+                                 tokens, valid, kv_head, stride_block, stride_offset, stride_head,
+                                 stride_scale_block, stride_scale_offset, stride_scale_head, stride_cos,
+                                 HALF, HALF_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, HAS_SCALE)
+        m_i, l_i, acc = softmax_step(q1, q2, k1, k2, v, valid[None, :], m_i, l_i, acc,
+                                     DOT_DTYPE, DOT_PRECISION)
+
+    # An empty split (past its sequence's end) writes sum 0 and output 0.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    stat = seq.to(tl.int64) * stride_stat_seq + head * stride_stat_head + split  # (G_PAD,)
+    g_mask = g < GROUP
+    tl.store(part_out_ptr + stat[:, None] * HEAD_DIM + d[None, :], out,
+             mask=g_mask[:, None] & (d < HEAD_DIM)[None, :])
+    tl.store(part_max_ptr + stat, m_i, mask=g_mask)
+    tl.store(part_sum_ptr + stat, l_i, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, num_splits,
+    stride_stat_seq, stride_stat_head, stride_out_seq, stride_out_head,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    s_mask = s < num_splits
+    stat = seq.to(tl.int64) * stride_stat_seq + head * stride_stat_head + s  # (SPLITS_PAD,)
+    m = tl.load(part_max_ptr + stat, mask=s_mask, other=NEG_BIG)
+    l = tl.load(part_sum_ptr + stat, mask=s_mask, other=0.0)
+    o = tl.load(part_out_ptr + stat[:, None] * HEAD_DIM + d[None, :],
+                mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    w = tl.exp2(m - tl.max(m, axis=0)) * l  # (SPLITS_PAD,) each split's share of the softmax mass
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
+    out_off = seq.to(tl.int64) * stride_out_seq + head * stride_out_head + d
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def plan_splits(num_programs: int, max_tokens: int, num_sms: int) -> int:
+    """Splits per sequence so that about two programs per SM run, none shorter than MIN_SPLIT_TOKENS.
+
+    num_programs is num_seqs * num_kv_heads; max_tokens bounds every sequence's
+    length (table width * block_size: known on the host without a sync).
+    """
+    want = -(-2 * num_sms // num_programs)
+    by_len = max(1, max_tokens // MIN_SPLIT_TOKENS)
+    return max(1, min(want, by_len, MAX_SPLITS))
+
+
+def split_tokens(max_tokens: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """(num_splits, tokens_per_split): whole tiles per split, no split left empty for the longest sequence."""
+    tokens_per_split = -(-max_tokens // num_splits)
+    tokens_per_split = -(-tokens_per_split // block_n) * block_n
+    return -(-max_tokens // tokens_per_split), tokens_per_split
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; CPU (interpreter) runs count as 4."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """q (B, H, D) -> out (B, H, D); `reference.paged_decode_attention` plus scales for int8/fp8 pools.
+
+    num_splits and block_n override the plan (tests use them to force splits).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, pool_head_dim = key_cache.shape
+    check_pool(key_cache, value_cache, k_scale, v_scale)
+    check_rope(cos, sin, head_dim)
+    check_table(block_tables, seq_lens, num_seqs)
+    assert q.dtype in (torch.float32, torch.bfloat16, torch.float16) and q.stride(2) == 1
+    assert pool_head_dim == head_dim and num_heads % num_kv_heads == 0
+    group = num_heads // num_kv_heads
+    block_n = block_n or max(16, min(64, block_size))
+    max_tokens = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = plan_splits(num_seqs * num_kv_heads, max_tokens, num_sms(q.device))
+    splits, tokens_per_split = split_tokens(max_tokens, num_splits, block_n)
+    part_out = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    tiles = head_tiles(head_dim)
+    dtype, precision = dot_dtype(q.dtype, _decode_split_kernel)
+    _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
+        q, key_cache, value_cache, k_scale, v_scale, block_tables, seq_lens, cos, sin,
+        part_out, part_max, part_sum, scale * LOG2E, tokens_per_split,
+        q.stride(0), q.stride(1), *key_cache.stride()[:3], *scale_strides(k_scale),
+        block_tables.stride(0), cos.stride(0), *part_max.stride()[:2],
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, HAS_SCALE=k_scale is not None, DOT_DTYPE=dtype, DOT_PRECISION=precision,
+        num_warps=8, **tiles)  # 8 warps: ~80-130 registers (ptxas, sm_90), no spills
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out, part_max, part_sum, out, splits, *part_max.stride()[:2], out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, D_PAD=tiles["D_PAD"], SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
+    return out

@@ -1,0 +1,107 @@
+"""Pure-torch paged attention: the CPU backend and the oracle the Triton kernels must match.
+
+Layouts (every function here shares them with its kernel in this package):
+
+    key_cache, value_cache : (num_blocks, block_size, num_kv_heads, head_dim)
+                             keys stored BEFORE rotary embedding
+    block_tables           : (num_seqs, max_blocks) int32, padded with block 0
+    seq_lens               : (num_seqs,) int32, tokens in the cache per sequence,
+                             the ones written this step included
+    cos, sin               : (max_pos, head_dim) float32, rotate-half layout
+                             (the halves repeat), indexed by cache position
+    k_scale, v_scale       : None for an unquantized pool
+
+A key at table index i, offset o has cache position p = i * block_size + o
+and is rotated by p when attended: positions are cache positions, so
+evicting a block moves no data. Queries arrive already rotated.
+
+Oracles never mutate their inputs (write_kv is the one write, by design).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (..., L, heads, D) by per-position cos/sin (L, D), in x's dtype."""
+    cos = cos.to(x.dtype)[:, None, :]  # (L, 1, D)
+    sin = sin.to(x.dtype)[:, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter key/value (T, num_kv_heads, head_dim) into their slots (T,) of the pool."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = key
+    value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = value
+
+
+def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys (rotated by cache position) and values of padded tables: (B, L, KVH, D) each."""
+    num_seqs, max_blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    length = max_blocks * block_size
+    k = key_cache[block_tables].view(num_seqs, length, num_kv_heads, head_dim)
+    v = value_cache[block_tables].view(num_seqs, length, num_kv_heads, head_dim)
+    return apply_rope(k, cos[:length], sin[:length]), v
+
+
+def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence: q (B, H, D) -> out (B, H, D).
+
+    Grouped-query heads share their KV head: q is viewed as (B, KVH, G, D) so
+    each KV head is read once for its whole group.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k, v = gather_kv(key_cache, value_cache, block_tables, cos, sin)  # (B, L, KVH, D)
+    length = k.shape[1]
+    mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None].long()  # (B, L)
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim)  # (B, KVH, G, D)
+    out = F.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
+    )  # (B, KVH, G, D)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Varlen chunks: q (T, H, D), sequence b's queries at q[cu[b]:cu[b+1]] -> out (T, H, D).
+
+    Query i of a chunk of n sits at cache position seq_len - n + i and attends,
+    causally, to every cached key at or before it (earlier blocks + the chunk).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    bounds = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, kv_len in enumerate(lens):
+        start, end = bounds[b], bounds[b + 1]
+        n = end - start
+        if n == 0:
+            continue
+        num_blocks = -(-kv_len // block_size)
+        k, v = gather_kv(key_cache, value_cache, block_tables[b:b + 1, :num_blocks], cos, sin)
+        k, v = k[0, :kv_len].transpose(0, 1), v[0, :kv_len].transpose(0, 1)  # (KVH, L, D)
+        q_pos = torch.arange(kv_len - n, kv_len, device=q.device)
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]  # (n, L)
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # (H, L, D)
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1)  # (n, H, D)
+    return out

@@ -1,0 +1,3 @@
+"""streamchat: a daemon for long conversations with language models over websockets."""
+
+__version__ = "0.1.0"

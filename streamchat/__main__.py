@@ -1,0 +1,3 @@
+from streamchat.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,116 @@
+"""The `streamchat` command: serve, generate, eval, chat, feed.
+
+Owns argument parsing and turning errors into one clear line and an exit
+code. Imports nothing heavy at module level, so `streamchat chat` starts fast
+and never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from streamchat.config import ConfigError
+
+
+def _generate_parser(sub) -> None:
+    from streamchat import settings
+
+    p = sub.add_parser("generate", help="generate a reply to one prompt (no daemon)")
+    p.add_argument("prompt", help="the user message")
+    p.add_argument("--system", default="", help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    settings.add_flags(p, ("model", "cache"))
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args) -> int:
+    from streamchat import settings
+    from streamchat.llm import LLM
+    from streamchat.model.sampling import SamplingParams
+
+    if not args.prompt.strip():
+        raise ConfigError("the prompt is empty")
+    if args.max_tokens <= 0:
+        raise ConfigError(f"--max-tokens must be positive, got {args.max_tokens}")
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    llm = LLM(settings.load(args))
+    [reply] = llm.chat([args.prompt], args.max_tokens, args.system, params)
+    print(reply.text)
+    return 0
+
+
+def _serve_parser(sub) -> None:
+    from streamchat import settings
+
+    p = sub.add_parser("serve", help="run the daemon")
+    settings.add_flags(p)
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args) -> int:
+    from streamchat import settings
+    from streamchat.server.app import run
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(settings.load(args))
+
+
+def _eval_parser(sub) -> None:
+    try:
+        from streamchat.evaluate import add_parser
+    except ImportError:
+        return
+    add_parser(sub)
+
+
+def _client_parsers(sub) -> None:
+    try:
+        from streamchat.client.cli import add_commands
+    except ImportError:
+        return
+    add_commands(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamchat", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _serve_parser(sub)
+    _generate_parser(sub)
+    _eval_parser(sub)
+    _client_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"streamchat: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # known failures carry a message a person can act on
+        from streamchat.errors import user_message
+
+        msg = user_message(exc)
+        if msg is None:
+            raise
+        print(f"streamchat: error: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""One frozen config of sub-configs, passed explicitly to whatever needs it.
+
+This module owns the settings' shapes, defaults and validation. It reads no
+environment and no flags: `streamchat.settings` fills a `Config` from flags,
+`STREAMCHAT_*` variables and an optional TOML file, in one place.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_DTYPES = ("auto",)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+class ConfigError(ValueError):
+    """A setting is out of range or inconsistent; the message says which."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load and how to run them."""
+
+    path: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto: bf16 where the device has bf16 instructions
+    device: str = "auto"  # auto: cuda if available, else cpu
+    attention_backend: str = "auto"  # auto: triton on cuda, torch elsewhere
+    num_threads: int = 0  # torch intra-op threads; 0: one per core
+    cache_dir: str | None = None  # converted checkpoints; None: XDG cache
+
+    def validate(self) -> None:
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.num_threads < 0:
+            raise ConfigError(f"num_threads must be >= 0, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool and the sink + window policy."""
+
+    block_size: int = 16
+    num_blocks: int = 0  # 0: size from kv_memory_gib
+    kv_memory_gib: float = 1.0  # pool bytes when num_blocks is 0
+    sink_tokens: int = 4  # rounded up to whole blocks
+    window_tokens: int = 2048  # rounded up to whole blocks
+    pin_system_prompt: bool = True  # the system prompt joins the sinks
+    prefix_sharing: bool = True
+    kv_dtype: str = "auto"
+
+    def validate(self) -> None:
+        _positive("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        _positive("sink_tokens", self.sink_tokens)
+        _positive("window_tokens", self.window_tokens)
+        if self.window_tokens < 2 * self.block_size:
+            raise ConfigError(
+                f"window_tokens ({self.window_tokens}) must hold at least two blocks "
+                f"of {self.block_size} tokens"
+            )
+        if self.num_blocks < 0:
+            raise ConfigError(f"num_blocks must be >= 0, got {self.num_blocks}")
+        if self.num_blocks == 0 and self.kv_memory_gib <= 0:
+            raise ConfigError("kv_memory_gib must be > 0 when num_blocks is 0")
+        _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+
+    @property
+    def num_sink_blocks(self) -> int:
+        return -(-self.sink_tokens // self.block_size)
+
+    @property
+    def num_window_blocks(self) -> int:
+        return -(-self.window_tokens // self.block_size)
+
+    def max_blocks_per_session(self, pinned_tokens: int = 0) -> int:
+        """Blocks a session may hold: its sink region plus a full window plus one."""
+        sink = max(self.sink_tokens, pinned_tokens if self.pin_system_prompt else 0)
+        return -(-sink // self.block_size) + self.num_window_blocks + 1
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the engine builds each step's batch."""
+
+    max_tokens_per_step: int = 256  # decode tokens + prefill chunk tokens
+    max_running: int = 64  # sessions generating at once
+    queue_timeout_s: float = 60.0  # waiting longer than this: `overloaded`
+
+    def validate(self) -> None:
+        _positive("max_tokens_per_step", self.max_tokens_per_step)
+        _positive("max_running", self.max_running)
+        if self.queue_timeout_s <= 0:
+            raise ConfigError("queue_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The websocket daemon and its limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8765
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # empty: any Origin (or none)
+    max_frame_bytes: int = 1 << 20
+    max_text_chars: int = 200_000  # one item or append
+    max_output_tokens: int = 4096
+    max_sessions_per_connection: int = 16
+    max_connections: int = 512
+    send_queue_events: int = 256
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be 0..65535, got {self.port}")
+        for name in ("max_frame_bytes", "max_text_chars", "max_output_tokens",
+                     "max_sessions_per_connection", "max_connections", "send_queue_events"):
+            _positive(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where sessions and transcripts are kept."""
+
+    url: str = "sqlite:///streamchat.db"
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    def validate(self) -> "Config":
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()
+        self.server.validate()
+        if self.scheduler.max_tokens_per_step < self.cache.block_size:
+            raise ConfigError("max_tokens_per_step must be at least one block")
+        return self
+
+    def replace(self, **sections) -> "Config":
+        return dataclasses.replace(self, **sections)
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

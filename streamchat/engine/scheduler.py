@@ -1,0 +1,171 @@
+"""Building each step's batch: decode first, then prefill chunks round-robin, under a budget.
+
+Owns which sessions run this step, how many tokens each gets, and making
+room when the pool is full (idle sessions give up their blocks first, then
+the newest running work is preempted and re-queued). Torch-free: it moves
+token ids and block ids, never tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from streamchat.cache.manager import KVCacheManager
+from streamchat.config import SchedulerConfig
+from streamchat.engine.batch import SeqChunk, StepBatch
+from streamchat.engine.session import EngineSession, Pending, Phase
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Scheduled:
+    batch: StepBatch
+    owners: list[EngineSession] = field(default_factory=list)  # one per chunk, batch order
+    tickets: list[tuple[EngineSession, object]] = field(default_factory=list)  # done after the step
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    preemptions: int = 0
+    idle_drops: int = 0
+    tokens_scheduled: int = 0
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, manager: KVCacheManager) -> None:
+        self.cfg = cfg
+        self.manager = manager
+        self.stats = SchedulerStats()
+        self._rr = 0  # round-robin start for prefill
+
+    def schedule(self, sessions: list[EngineSession]) -> Scheduled:
+        """Pick this step's work. `sessions` is in arrival order (oldest first)."""
+        out = Scheduled(StepBatch())
+        self._admit(sessions)
+        budget = self.cfg.max_tokens_per_step
+        for s in sessions:
+            if budget and s.decoding and self._make_room(s, 1, sessions, out.owners):
+                self._add(out, s, [s.response.next_token], decode=True)
+                budget -= 1
+        budget = self._prefill(out, sessions, budget)
+        self.stats.steps += 1
+        self.stats.tokens_scheduled += self.cfg.max_tokens_per_step - budget
+        return out
+
+    def _admit(self, sessions: list[EngineSession]) -> None:
+        """Move queued responses into PREFILL while running slots are free."""
+        running = sum(1 for s in sessions if s.response and s.response.phase is not Phase.QUEUED)
+        for s in sessions:
+            if running >= self.cfg.max_running:
+                return
+            if s.response and s.response.phase is Phase.QUEUED:
+                s.response.phase = Phase.PREFILL
+                running += 1
+
+    def _prefill(self, out: Scheduled, sessions: list[EngineSession], budget: int) -> int:
+        ready = [s for s in sessions if s.pending and self._may_prefill(s)]
+        if not ready:
+            return budget
+        start = self._rr % len(ready)
+        self._rr += 1
+        for s in ready[start:] + ready[:start]:
+            if budget <= 0:
+                break
+            budget -= self._prefill_one(out, s, budget, sessions)
+        return budget
+
+    @staticmethod
+    def _may_prefill(s: EngineSession) -> bool:
+        head = s.pending[0]
+        return not head.starts_response or s.response is None or s.response.phase is not Phase.QUEUED
+
+    def _prefill_one(self, out: Scheduled, s: EngineSession, budget: int, sessions) -> int:
+        self._take_prefix(s)
+        tokens, finished, sample = self._collect(s, min(budget, self.manager.max_chunk))
+        if tokens and not self._make_room(s, len(tokens), sessions, out.owners):
+            return 0
+        for p in finished:
+            s.pending.popleft()
+        if s.pending:
+            s.pending[0].done += len(tokens) - sum(p.remaining for p in finished)
+        for p in finished:
+            p.done = len(p.token_ids)
+        if tokens:
+            self._add(out, s, tokens, decode=False, want_logits=sample)
+        self._report(out, s, finished)
+        s.computed_this_turn += len(tokens)
+        return len(tokens)
+
+    def _collect(self, s: EngineSession, limit: int) -> tuple[list[int], list[Pending], bool]:
+        """Tokens for one chunk from the head of the queue, and the entries it finishes."""
+        tokens: list[int] = []
+        finished: list[Pending] = []
+        for p in s.pending:
+            take = p.token_ids[p.done:p.done + limit - len(tokens)]
+            tokens += take
+            if len(take) < p.remaining:
+                return tokens, finished, False
+            finished.append(p)
+            if p.starts_response:
+                return tokens, finished, True
+            if len(tokens) >= limit:
+                break
+        return tokens, finished, False
+
+    def _take_prefix(self, s: EngineSession) -> None:
+        """Serve the head of the queue from cached blocks where the pool has them."""
+        head = s.pending[0]
+        if head.done or not s.seq.pristine:
+            return
+        upto = head.remaining - (1 if head.starts_response else 0)
+        taken = self.manager.match_prefix(s.seq, head.token_ids[:upto])
+        head.done += taken
+
+    def _report(self, out: Scheduled, s: EngineSession, finished: list[Pending]) -> None:
+        out.tickets.extend((s, p.ticket) for p in finished if p.ticket is not None)
+
+    def _add(self, out: Scheduled, s: EngineSession, tokens: list[int], decode: bool,
+             want_logits: bool = True) -> None:
+        placed = self.manager.append(s.seq, tokens)
+        chunk = SeqChunk(tokens, placed.positions, placed.slots, list(s.seq.block_ids), want_logits)
+        (out.batch.decode if decode else out.batch.prefill).append(chunk)
+        out.owners.append(s)
+        s.total_tokens += len(tokens)
+
+    def _make_room(self, s: EngineSession, num_new: int, sessions: list[EngineSession],
+                   scheduled: list[EngineSession]) -> bool:
+        """True once the pool can take the append; drops idle, then preempts newest running."""
+        while not self.manager.can_append(s.seq, num_new):
+            victim = self._idle_victim(sessions, s) or self._running_victim(sessions, s, scheduled)
+            if victim is None:
+                return False
+            self.drop(victim)
+        return True
+
+    @staticmethod
+    def _idle_victim(sessions, me) -> EngineSession | None:
+        idle = [v for v in sessions if v is not me and v.resident and v.seq.block_ids and not v.busy]
+        return min(idle, key=lambda v: v.last_active, default=None)
+
+    def _running_victim(self, sessions, me, scheduled) -> EngineSession | None:
+        busy = [v for v in sessions if v is not me and v.resident and v.seq.block_ids
+                and not any(v is o for o in scheduled)]
+        if not busy:
+            return None
+        self.stats.preemptions += 1
+        return busy[-1]  # the newest
+
+    def drop(self, s: EngineSession) -> None:
+        """Give up the session's blocks; its tokens are rebuilt when next needed."""
+        tokens = list(s.seq.token_ids)
+        self.manager.free(s.seq)
+        s.seq = self.manager.new_seq(s.pinned_tokens)
+        if s.busy:
+            s.pending.appendleft(Pending(tokens))
+        else:
+            s.resident, s.dropped_tokens = False, tokens
+            self.stats.idle_drops += 1
+        log.debug("session %s gave up its blocks (%d tokens)", s.session_id, len(tokens))

@@ -1,0 +1,87 @@
+"""A small synchronous Python API over the engine, for scripts, benchmarks and tests.
+
+    llm = LLM(Config())
+    [reply] = llm.chat(["Hello!"], max_tokens=32)
+
+Owns nothing but convenience: every call goes through the same Engine the
+daemon runs, stepped in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from streamchat.config import Config
+from streamchat.engine.engine import Engine, EngineError
+from streamchat.engine.events import ResponseFinished, TextDelta
+from streamchat.model.runner import ModelRunner, load_model
+from streamchat.model.sampling import SamplingParams
+
+
+@dataclass
+class Reply:
+    text: str
+    status: str
+    reason: str | None
+    usage: dict
+    token_ids: list[int] = field(default_factory=list)
+    deltas: list[str] = field(default_factory=list)
+
+
+class LLM:
+    def __init__(self, config: Config | None = None, loaded=None) -> None:
+        self.config = (config or Config()).validate()
+        self.loaded = loaded or load_model(self.config.model)
+        self.runner = ModelRunner(self.loaded, self.config.cache)
+        self.engine = Engine(self.runner, self.config.cache, self.config.scheduler)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    def chat(self, prompts: list[str], max_tokens: int = 64, system: str = "",
+             params: SamplingParams | None = None, stop: tuple[str, ...] = ()) -> list[Reply]:
+        """One user turn per prompt, each in its own new session, batched together."""
+        for prompt in prompts:
+            if not prompt or not prompt.strip():
+                raise ValueError("empty prompt")
+        sids = [f"llm-{next(self._ids)}" for _ in prompts]
+        for sid, prompt in zip(sids, prompts):
+            self.engine.open_session(sid, system)
+            self.engine.add_item(sid, "user", prompt)
+        replies = self.respond(sids, max_tokens, params, stop)
+        for sid in sids:
+            self.engine.close_session(sid)
+        return replies
+
+    def respond(self, session_ids: list[str], max_tokens: int = 64,
+                params: SamplingParams | None = None, stop: tuple[str, ...] = ()) -> list[Reply]:
+        """Start a response in each open session and step until all finish."""
+        params = (params or SamplingParams()).validate()
+        rids = {}
+        for sid in session_ids:
+            rid = f"resp-{next(self._ids)}"
+            self.engine.start_response(sid, rid, params, max_tokens, stop)
+            rids[rid] = sid
+        return self.run_until(rids)
+
+    def run_until(self, rids: dict[str, str]) -> list[Reply]:
+        deltas: dict[str, list[str]] = {rid: [] for rid in rids}
+        done: dict[str, Reply] = {}
+        while len(done) < len(rids):
+            if not self.engine.has_work():
+                raise EngineError("internal", "the engine went idle before the responses finished")
+            for ev in self.engine.step():
+                if isinstance(ev, TextDelta) and ev.response_id in deltas:
+                    deltas[ev.response_id].append(ev.text)
+                elif isinstance(ev, ResponseFinished) and ev.response_id in rids:
+                    done[ev.response_id] = Reply(ev.text, ev.status, ev.reason, ev.usage,
+                                                 list(ev.token_ids), deltas[ev.response_id])
+        return [done[rid] for rid in rids]
+
+    def drain(self) -> None:
+        """Step until nothing is pending (background prefill included)."""
+        while self.engine.has_work():
+            self.engine.step()

@@ -1,0 +1,154 @@
+"""Our own forward pass for the Llama family over a flat varlen batch.
+
+Owns the math of one step: RMSNorm, rotary embedding of queries, grouped-query
+attention through the paged pool (via an attention backend), SwiGLU, tied or
+untied embeddings. Input is a flat batch of tokens from many sequences with
+their cache positions and attention metadata, never a padded rectangle.
+Knows nothing about scheduling, sessions or block bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from streamchat.model.attention import AttentionMetadata, attend
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, config) -> "ModelShape":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                   config.num_key_value_heads, head_dim, config.vocab_size, config.rms_norm_eps,
+                   config.max_position_embeddings)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # (q + 2 kv, hidden): q, k, v projections fused
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # (2 inter, hidden): gate and up fused
+    down: torch.Tensor
+
+
+def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling from the model's own rope settings."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = ModelShape.from_hf(config).head_dim
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+
+
+class LlamaModel:
+    """Weights and the step function. `forward` is pure apart from the K/V it writes."""
+
+    def __init__(self, config, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, backend) -> None:
+        self.config = config
+        self.shape = ModelShape.from_hf(config)
+        self.dtype, self.device, self.backend = dtype, device, backend
+        w = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.final_norm = w["model.norm.weight"]
+        self.lm_head = w.get("lm_head.weight", self.embed)
+        self.layers = [self._layer(w, i) for i in range(self.shape.num_layers)]
+        self.inv_freq, self.rope_scaling = rope_inv_freq(config)
+        self._cos = self._sin = torch.empty(0, self.shape.head_dim)
+        self.scale = self.shape.head_dim ** -0.5
+
+    @staticmethod
+    def _layer(w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        qkv = torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        bias = None
+        if p + "self_attn.q_proj.bias" in w:
+            bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+        gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        return LayerWeights(w[p + "input_layernorm.weight"], qkv, bias, w[p + "self_attn.o_proj.weight"],
+                            w[p + "post_attention_layernorm.weight"], gate_up, w[p + "mlp.down_proj.weight"])
+
+    def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (num_positions, head_dim) in float32, grown on demand."""
+        if self._cos.shape[0] < num_positions:
+            n = max(num_positions, 2 * self._cos.shape[0], 4096)
+            t = torch.arange(n, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq.float())
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos = (emb.cos() * self.rope_scaling).to(self.device)
+            self._sin = (emb.sin() * self.rope_scaling).to(self.device)
+        return self._cos, self._sin
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # in float32, then back to the model dtype before the weight (as transformers does)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.rms_norm_eps)
+        return weight * normed.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                logits_idx: torch.Tensor | None) -> torch.Tensor | None:
+        """input_ids, positions (T,) -> float32 logits (N, vocab) for the rows in logits_idx."""
+        s = self.shape
+        cos_table, sin_table = self.rope_tables(int(positions.max()) + 1 if positions.numel() else 1)
+        cos = cos_table[positions].to(self.dtype)[:, None, :]  # (T, 1, D)
+        sin = sin_table[positions].to(self.dtype)[:, None, :]
+        h = self.embed[input_ids]  # (T, hidden)
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            x = self.rms_norm(h, layer.input_norm)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(-1, s.num_heads, s.head_dim)  # (T, H, D)
+            q = q * cos + _rotate_half(q) * sin
+            k = k.view(-1, s.num_kv_heads, s.head_dim)  # (T, KVH, D), stored before rotation
+            v = v.view(-1, s.num_kv_heads, s.head_dim)
+            self.backend.write(key_cache, value_cache, k, v, meta.slot_mapping)
+            o = attend(self.backend, q, key_cache, value_cache, meta, cos_table, sin_table, self.scale)
+            h = h + F.linear(o.reshape(-1, q_size), layer.o)
+            x = self.rms_norm(h, layer.post_norm)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        if logits_idx is None:
+            return None
+        h = self.rms_norm(h[logits_idx], self.final_norm)
+        return F.linear(h, self.lm_head).float()
+
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+        s = self.shape
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.tensor([], dtype=kv_dtype).element_size()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def load_state(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state

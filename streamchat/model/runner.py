@@ -1,0 +1,152 @@
+"""The model runner: loads a model, owns the KV pool tensors, executes step batches.
+
+The one module that turns the scheduler's lists into tensors. Knows nothing
+about scheduling or sessions: it is handed a `StepBatch` and returns logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from streamchat.config import CacheConfig, ModelConfig
+from streamchat.engine.batch import StepBatch
+from streamchat.model.attention import AttentionMetadata, DecodeGroup, PrefillGroup, make_backend
+from streamchat.model.llama import LlamaModel, load_state
+from streamchat.model.loader import ModelLoadError, ModelSource, resolve
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_has_bf16() -> bool:
+    """avx512_bf16 or AMX: bf16 matrix products run natively."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    hf_config: object
+    tokenizer: object
+    model: LlamaModel
+
+
+def load_model(cfg: ModelConfig) -> LoadedModel:
+    """Resolve, read and place the model the config names."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    source = resolve(cfg.path, cfg.cache_dir)
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    try:
+        hf_config = AutoConfig.from_pretrained(source.folder)
+        tokenizer = AutoTokenizer.from_pretrained(source.folder)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read model folder {source.folder}: {exc}") from exc
+    if tokenizer.chat_template is None:
+        raise ModelLoadError(f"{source.folder} has no chat template; streamchat serves chat models")
+    backend = make_backend(cfg.attention_backend, device)
+    model = LlamaModel(hf_config, load_state(source.folder), dtype, device, backend)
+    log.info("loaded %s (%s, %s, %s attention)", source.name, dtype, device, backend.name)
+    return LoadedModel(source, hf_config, tokenizer, model)
+
+
+def num_blocks_for(cache: CacheConfig, bytes_per_token: int) -> int:
+    if cache.num_blocks:
+        return cache.num_blocks
+    return max(2, int(cache.kv_memory_gib * (1 << 30)) // (bytes_per_token * cache.block_size))
+
+
+class ModelRunner:
+    """Owns the per-layer pool tensors (num_blocks, block_size, kv_heads, head_dim)."""
+
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        s = self.model.shape
+        self.block_size = cache.block_size
+        self.kv_dtype = self.model.dtype
+        self.bytes_per_token = self.model.kv_bytes_per_token(self.kv_dtype)
+        self.num_blocks = num_blocks_for(cache, self.bytes_per_token)
+        shape = (self.num_blocks, cache.block_size, s.num_kv_heads, s.head_dim)
+        dev = self.model.device
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=dev),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=dev))
+                          for _ in range(s.num_layers)]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def execute(self, batch: StepBatch) -> torch.Tensor | None:
+        """Run one step; float32 logits (N, vocab) for the chunks that want them, in order."""
+        ids, positions, meta, logits_idx = self.prepare(batch)
+        return self.model.forward(ids, positions, meta, self.kv_caches, logits_idx)
+
+    def prepare(self, batch: StepBatch):
+        dev = self.model.device
+        chunks = batch.chunks()
+        flat_ids = [t for c in chunks for t in c.token_ids]
+        flat_pos = [p for c in chunks for p in c.positions]
+        flat_slots = [s for c in chunks for s in c.slots]
+        ends, total = [], 0
+        for c in chunks:
+            total += len(c.token_ids)
+            ends.append(total - 1)
+        logits_rows = [end for c, end in zip(chunks, ends) if c.want_logits]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(flat_slots, dtype=torch.int64, device=dev),
+            decode=self._decode_group(batch) if batch.decode else None,
+            prefill=self._prefill_group(batch) if batch.prefill else None,
+        )
+        logits_idx = torch.tensor(logits_rows, dtype=torch.int64, device=dev) if logits_rows else None
+        return (torch.tensor(flat_ids, dtype=torch.int64, device=dev),
+                torch.tensor(flat_pos, dtype=torch.int64, device=dev), meta, logits_idx)
+
+    def _tables(self, chunks) -> torch.Tensor:
+        width = max(len(c.block_ids) for c in chunks)
+        rows = [c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks]
+        return torch.tensor(rows, dtype=torch.int32, device=self.model.device)
+
+    def _decode_group(self, batch: StepBatch) -> DecodeGroup:
+        lens = [c.seq_len for c in batch.decode]
+        return DecodeGroup(self._tables(batch.decode),
+                           torch.tensor(lens, dtype=torch.int32, device=self.model.device))
+
+    def _prefill_group(self, batch: StepBatch) -> PrefillGroup:
+        cu = [0]
+        for c in batch.prefill:
+            cu.append(cu[-1] + len(c.token_ids))
+        dev = self.model.device
+        return PrefillGroup(torch.tensor(cu, dtype=torch.int32, device=dev), self._tables(batch.prefill),
+                            torch.tensor([c.seq_len for c in batch.prefill], dtype=torch.int32, device=dev))
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,0 +1,185 @@
+"""The daemon: model, engine thread, store and websocket server wired together.
+
+Owns start-up (load the model, migrate the store, bind the port), the plain
+HTTP answers on the websocket port (/healthz, /metrics, 401, 403, 404, 405,
+503), and shutdown on SIGTERM/SIGINT: stop accepting, end running responses
+(stored incomplete), close sockets with 1001, flush the store, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import logging
+import os
+import signal
+from urllib.parse import parse_qs, urlsplit
+
+import orjson
+from websockets.asyncio.server import serve
+from websockets.datastructures import Headers
+from websockets.http11 import Response
+
+from streamchat.config import Config
+from streamchat.server.protocol import Limits
+
+log = logging.getLogger(__name__)
+
+REALTIME_PATH = "/v1/realtime"
+INSECURE_KEY_PREFIX = "openai-insecure-api-key."
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.stopping = asyncio.Event()
+        self.connections: set = set()
+
+    async def start(self) -> None:
+        from streamchat.engine.async_engine import AsyncEngine
+        from streamchat.engine.engine import Engine
+        from streamchat.model.runner import ModelRunner, load_model
+        from streamchat.server.metrics import DaemonMetrics
+        from streamchat.server.sessions import Hub
+        from streamchat.store import AsyncStore, Store
+
+        cfg = self.config
+        store = Store(cfg.store.url)
+        await asyncio.to_thread(store.migrate)
+        self.store = AsyncStore(store)
+        loaded = await asyncio.to_thread(load_model, cfg.model)
+        runner = await asyncio.to_thread(ModelRunner, loaded, cfg.cache)
+        engine = Engine(runner, cfg.cache, cfg.scheduler)
+        self.model_name = loaded.source.name
+        self.aengine = AsyncEngine(engine, cfg.model.num_threads)
+        self.aengine.start()
+        self.metrics = DaemonMetrics(engine)
+        self.hub = Hub(self.aengine, self.store, self.model_name, cfg.cache)
+        s = cfg.server
+        self.limits = Limits(max_text_chars=s.max_text_chars, max_output_tokens=s.max_output_tokens)
+        self.server = await serve(
+            self.handle, s.host, s.port, process_request=self.process_request,
+            max_size=s.max_frame_bytes, origins=self._origins(), select_subprotocol=_select_subprotocol,
+            ping_interval=20, ping_timeout=20, close_timeout=5)
+        self.port = self.server.sockets[0].getsockname()[1]
+        log.info("serving %s on ws://%s:%d%s (%d KV blocks of %d tokens)", self.model_name, s.host, self.port,
+                 REALTIME_PATH, engine.pool.num_usable, cfg.cache.block_size)
+
+    def _origins(self):
+        allowed = self.config.server.allowed_origins
+        return [None, *allowed] if allowed else None
+
+    # -- HTTP -------------------------------------------------------------------
+
+    def process_request(self, connection, request):
+        url = urlsplit(request.path)
+        if request.method != "GET":
+            return _plain(http.HTTPStatus.METHOD_NOT_ALLOWED, "only GET is served\n", {"Allow": "GET"})
+        if url.path == "/healthz":
+            return _json(http.HTTPStatus.OK, self.health())
+        if url.path == "/metrics":
+            return _plain(http.HTTPStatus.OK, self.metrics.render().decode(),
+                          {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        if url.path != REALTIME_PATH:
+            return _plain(http.HTTPStatus.NOT_FOUND, "not found\n")
+        if not self._authorized(request.headers):
+            return _plain(http.HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n",
+                          {"WWW-Authenticate": "Bearer"})
+        model = parse_qs(url.query).get("model", [None])[0]
+        if model is not None and model != self.model_name:
+            return _plain(http.HTTPStatus.BAD_REQUEST, f"this daemon serves {self.model_name!r}, not {model!r}\n")
+        if self.stopping.is_set() or len(self.connections) >= self.config.server.max_connections:
+            return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "overloaded: too many connections; retry later\n",
+                          {"Retry-After": "1"})
+        return None
+
+    def _authorized(self, headers: Headers) -> bool:
+        import hmac
+
+        key = self.config.server.api_key
+        if not key:
+            return True
+        auth = headers.get("Authorization", "")
+        offered = auth[7:] if auth.startswith("Bearer ") else ""
+        for proto in headers.get_all("Sec-WebSocket-Protocol"):
+            for item in proto.split(","):
+                if item.strip().startswith(INSECURE_KEY_PREFIX):
+                    offered = offered or item.strip()[len(INSECURE_KEY_PREFIX):]
+        return hmac.compare_digest(offered.encode(), key.encode())
+
+    def health(self) -> dict:
+        eng = self.aengine.engine
+        return {"status": "stopping" if self.stopping.is_set() else "ok", "model": self.model_name,
+                "kv_blocks": {"free": eng.pool.num_free, "total": eng.pool.num_usable,
+                              "block_size": self.config.cache.block_size},
+                "kv_bytes_per_token": eng.runner.bytes_per_token,
+                "sessions": len(self.hub.sessions), "connections": len(self.connections)}
+
+    # -- websocket ----------------------------------------------------------------
+
+    async def handle(self, websocket) -> None:
+        from streamchat.server.connection import Connection
+
+        conn = Connection(self.hub, websocket, self.limits, self.config.server, self.metrics)
+        self.connections.add(conn)
+        self.metrics.connections = len(self.connections)
+        peer = websocket.remote_address
+        log.info("connection from %s", peer[0] if peer else "?")
+        try:
+            await conn.run()
+        finally:
+            self.connections.discard(conn)
+            self.metrics.connections = len(self.connections)
+            log.info("connection from %s closed (%s)", peer[0] if peer else "?", websocket.close_code)
+
+    async def shutdown(self) -> None:
+        """Stop accepting, end responses (stored incomplete), close with 1001, flush the store."""
+        self.stopping.set()
+        self.server.close(close_connections=False)
+        for conn in list(self.connections):
+            if conn.session is not None and conn.session.response_id is not None:
+                await conn._cancel_quietly(conn.session)
+        for conn in list(self.connections):
+            for task in list(conn.tasks):
+                await asyncio.gather(task, return_exceptions=True)
+            await conn.ws.close(1001, "server shutting down")
+        await self.server.wait_closed()
+        await self.aengine.stop()
+        await self.store.aclose()
+
+
+async def _serve(config: Config) -> int:
+    daemon = Daemon(config)
+    await daemon.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.stopping.set)
+    print(f"streamchat: listening on ws://{config.server.host}:{daemon.port}{REALTIME_PATH}", flush=True)
+    await daemon.stopping.wait()
+    log.info("shutting down")
+    await daemon.shutdown()
+    return 0
+
+
+def run(config: Config) -> int:
+    # torch's OpenMP workers spin while they wait; on a few cores that starves
+    # the event loop thread. Passive waiting costs little per step.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return asyncio.run(_serve(config))
+
+
+def _select_subprotocol(connection, subprotocols):
+    return "realtime" if "realtime" in subprotocols else None
+
+
+def _plain(status: http.HTTPStatus, text: str, headers: dict | None = None) -> Response:
+    h = Headers({"Content-Type": "text/plain; charset=utf-8", **(headers or {})})
+    body = text.encode()
+    h["Content-Length"] = str(len(body))
+    return Response(status.value, status.phrase, h, body)
+
+
+def _json(status: http.HTTPStatus, doc: dict) -> Response:
+    body = orjson.dumps(doc)
+    h = Headers({"Content-Type": "application/json", "Content-Length": str(len(body))})
+    return Response(status.value, status.phrase, h, body)

@@ -1,0 +1,107 @@
+"""Filling a Config from flags, `STREAMCHAT_*` environment variables and a TOML file.
+
+The one place that reads the environment and the command line for settings.
+Precedence: flag > environment > TOML file > default. Every field of every
+section gets a flag `--field-name` and a variable `STREAMCHAT_FIELD_NAME`
+(a few read better renamed: see ALIASES). Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+import typing
+
+from streamchat.config import (CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig,
+                               ServerConfig, StoreConfig)
+
+SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+            "server": ServerConfig, "store": StoreConfig}
+ALIASES = {("model", "path"): "model", ("store", "url"): "database_url"}
+HELP = {
+    "model": "model folder (Hugging Face, safetensors) or .gguf file; default: bundled SmolLM2-135M-Instruct",
+    "dtype": "model dtype: auto (bf16 where the CPU/GPU has it), float32, bfloat16, float16",
+    "database_url": "SQLAlchemy URL of the session store",
+    "allowed_origins": "comma-separated Origin allow-list (empty: any)",
+    "api_key": "require `Authorization: Bearer KEY` on the websocket handshake",
+    "num_blocks": "KV pool blocks (0: size the pool from --kv-memory-gib)",
+}
+
+
+def _flag_name(section: str, name: str) -> str:
+    return ALIASES.get((section, name), name)
+
+
+def _field_type(cls, f: dataclasses.Field):
+    hints = typing.get_type_hints(cls)
+    t = hints[f.name]
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if args else t
+
+
+def _convert(value, typ, name: str):
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if typing.get_origin(typ) is tuple or typ is tuple:
+            items = value if isinstance(value, (list, tuple)) else [v for v in str(value).split(",") if v]
+            return tuple(str(v).strip() for v in items)
+        return typ(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: cannot read {value!r} as {getattr(typ, '__name__', typ)}") from None
+
+
+def add_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
+    """One flag per setting of the given sections, plus --config FILE."""
+    parser.add_argument("--config", metavar="FILE", help="TOML file of settings ([model], [cache], ...)")
+    for section in sections:
+        group = parser.add_argument_group(f"{section} settings")
+        for f in dataclasses.fields(SECTIONS[section]):
+            flag = _flag_name(section, f.name)
+            group.add_argument("--" + flag.replace("_", "-"), dest=f"{section}.{f.name}", default=None,
+                               metavar=flag.split("_")[-1].upper(),
+                               help=f"{HELP.get(flag, '')} (env STREAMCHAT_{flag.upper()}; default {f.default!r})")
+
+
+def load(args: argparse.Namespace | None = None, environ: typing.Mapping[str, str] | None = None) -> Config:
+    """The validated Config: flags over environment over TOML over defaults."""
+    environ = os.environ if environ is None else environ
+    flags = vars(args) if args is not None else {}
+    path = flags.get("config") or environ.get("STREAMCHAT_CONFIG")
+    toml = _read_toml(path) if path else {}
+    built = {}
+    for section, cls in SECTIONS.items():
+        values = {}
+        for f in dataclasses.fields(cls):
+            flag = _flag_name(section, f.name)
+            raw = flags.get(f"{section}.{f.name}")
+            if raw is None:
+                raw = environ.get(f"STREAMCHAT_{flag.upper()}")
+            if raw is None:
+                raw = toml.get(section, {}).get(f.name)
+            if raw is not None:
+                values[f.name] = _convert(raw, _field_type(cls, f), "--" + flag.replace("_", "-"))
+        built[section] = cls(**values)
+    return Config(**built).validate()
+
+
+def _read_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    unknown = set(data) - set(SECTIONS)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown sections {sorted(unknown)}; known: {sorted(SECTIONS)}")
+    return data

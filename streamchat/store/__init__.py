@@ -1,0 +1,32 @@
+"""Durable store of sessions and transcripts (SQLAlchemy + Alembic, SQLite by default).
+
+Torch-free: nothing here knows about the model, the engine or the KV cache.
+"""
+
+from streamchat.store.async_store import AsyncStore
+from streamchat.store.migrate import alembic_config
+from streamchat.store.records import (
+    DuplicateId,
+    ItemNotOpen,
+    ItemRecord,
+    SessionRecord,
+    UnknownItem,
+    UnknownSession,
+)
+from streamchat.store.store import Store
+from streamchat.store.tokens import hash_token, new_resume_token, verify_token
+
+__all__ = [
+    "AsyncStore",
+    "DuplicateId",
+    "ItemNotOpen",
+    "ItemRecord",
+    "SessionRecord",
+    "Store",
+    "UnknownItem",
+    "UnknownSession",
+    "alembic_config",
+    "hash_token",
+    "new_resume_token",
+    "verify_token",
+]

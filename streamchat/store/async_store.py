@@ -1,0 +1,122 @@
+"""The store for asyncio code: every call runs on one dedicated worker thread.
+
+One worker keeps calls in the order they were made, so appends land in the
+order the live feed produced them, and database work never blocks the event
+loop. A call that has been made is carried out even if its caller is
+cancelled while waiting (the caller still sees CancelledError): a transcript
+never loses a write from the middle of a sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from streamchat.store.records import ItemRecord, SessionRecord
+from streamchat.store.store import Store
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class AsyncStore:
+    """Async twin of `Store`, same method names; owns the wrapped store from here on."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamchat-store")
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        try:
+            # Shielded: cancelling the caller must not pull a queued write out of the sequence.
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(_report_orphaned_failure)
+            raise
+
+    async def migrate(self) -> None:
+        """See `Store.migrate`."""
+        await self._call(self._store.migrate)
+
+    async def create_session(
+        self, session_id: str, token_hash: str, instructions: str, settings: Mapping[str, Any]
+    ) -> None:
+        """See `Store.create_session`."""
+        await self._call(self._store.create_session, session_id, token_hash, instructions, settings)
+
+    async def get_session(self, session_id: str) -> SessionRecord | None:
+        """See `Store.get_session`."""
+        return await self._call(self._store.get_session, session_id)
+
+    async def update_session(
+        self,
+        session_id: str,
+        *,
+        instructions: str | None = None,
+        settings: Mapping[str, Any] | None = None,
+        status: str | None = None,
+        total_tokens: int | None = None,
+        evicted_tokens: int | None = None,
+    ) -> None:
+        """See `Store.update_session`."""
+        await self._call(
+            self._store.update_session,
+            session_id,
+            instructions=instructions,
+            settings=settings,
+            status=status,
+            total_tokens=total_tokens,
+            evicted_tokens=evicted_tokens,
+        )
+
+    async def list_sessions(self, limit: int = 100) -> list[SessionRecord]:
+        """See `Store.list_sessions`."""
+        return await self._call(self._store.list_sessions, limit)
+
+    async def add_item(
+        self, session_id: str, item_id: str, role: str, kind: str, text: str, status: str, num_tokens: int
+    ) -> ItemRecord:
+        """See `Store.add_item`."""
+        return await self._call(self._store.add_item, session_id, item_id, role, kind, text, status, num_tokens)
+
+    async def append_text(self, session_id: str, item_id: str, text: str, num_tokens_added: int) -> None:
+        """See `Store.append_text`."""
+        await self._call(self._store.append_text, session_id, item_id, text, num_tokens_added)
+
+    async def finish_item(
+        self,
+        session_id: str,
+        item_id: str,
+        *,
+        text: str | None = None,
+        status: str,
+        num_tokens: int | None = None,
+    ) -> None:
+        """See `Store.finish_item`."""
+        await self._call(self._store.finish_item, session_id, item_id, text=text, status=status, num_tokens=num_tokens)
+
+    async def items(self, session_id: str) -> list[ItemRecord]:
+        """See `Store.items`."""
+        return await self._call(self._store.items, session_id)
+
+    async def aclose(self) -> None:
+        """Wait for every queued call, close the store, then stop the worker thread."""
+        try:
+            await self._call(self._store.close)
+        finally:
+            # The close above ran last on the only worker, so this join is immediate.
+            self._executor.shutdown(wait=True)
+        logger.debug("async store closed")
+
+
+def _report_orphaned_failure(job: asyncio.Future[Any]) -> None:
+    """Log the error of a call whose caller was cancelled, since nobody else will see it."""
+    if not job.cancelled() and job.exception() is not None:
+        logger.error("store call failed after its caller was cancelled", exc_info=job.exception())

@@ -1,0 +1,67 @@
+"""SQLAlchemy engines for the store, with SQLite made durable and transactional.
+
+For SQLite every connection gets `journal_mode=WAL`, `synchronous=FULL` (a
+commit is fsynced before it returns, which "acknowledged means committed"
+needs; NORMAL could lose the last commits on power loss) and
+`foreign_keys=ON`. The driver's own transaction handling is switched off and
+`BEGIN` is emitted by SQLAlchemy instead, so reads are consistent and schema
+changes roll back with the migration that failed. Any other URL (PostgreSQL)
+is used as given.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.pool import ConnectionPoolEntry, StaticPool
+
+logger = logging.getLogger(__name__)
+
+BUSY_TIMEOUT_MS = 5000
+_SQLITE_PRAGMAS = ("PRAGMA synchronous=FULL", "PRAGMA foreign_keys=ON", f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+
+
+def make_engine(url: str | URL) -> Engine:
+    """An engine for `url`; for SQLite, the pragmas above on every connection."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(parsed, pool_pre_ping=True)
+    kwargs: dict[str, Any] = {}
+    if is_memory_sqlite(parsed):
+        # One shared connection, so every thread sees the same in-memory database.
+        kwargs = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
+    else:
+        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(parsed, **kwargs)
+    event.listen(engine, "connect", _on_sqlite_connect)
+    event.listen(engine, "begin", _on_sqlite_begin)
+    return engine
+
+
+def is_memory_sqlite(url: URL) -> bool:
+    """Whether `url` names a private in-memory SQLite database."""
+    database = url.database or ""
+    return database in ("", ":memory:") or "mode=memory" in database
+
+
+def _on_sqlite_connect(dbapi_connection: sqlite3.Connection, record: ConnectionPoolEntry) -> None:
+    # Autocommit at the driver level; `_on_sqlite_begin` opens transactions.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        (mode,) = cursor.execute("PRAGMA journal_mode=WAL").fetchone()
+        if mode.lower() not in ("wal", "memory"):
+            logger.warning("SQLite refused WAL mode (journal_mode=%s)", mode)
+        for pragma in _SQLITE_PRAGMAS:
+            cursor.execute(pragma)
+    finally:
+        cursor.close()
+
+
+def _on_sqlite_begin(connection: Connection) -> None:
+    connection.exec_driver_sql("BEGIN")

@@ -1,0 +1,52 @@
+"""Alembic, driven from code: the only way the store's schema is created.
+
+The scripts live in the `streamchat.migrations` package (the `migrations/`
+folder of the source tree); no alembic.ini is read. The same `Config` serves
+`upgrade` at start-up and `check` in the tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine
+from sqlalchemy.engine import URL, make_url
+
+import streamchat.migrations
+
+logger = logging.getLogger(__name__)
+
+
+def script_location() -> str:
+    """The folder holding env.py and versions/ of the installed package."""
+    return os.path.dirname(os.path.abspath(streamchat.migrations.__file__))
+
+
+def alembic_config(url: str | URL) -> Config:
+    """An alembic Config for `url`, built without any ini file."""
+    cfg = Config()
+    cfg.set_main_option("script_location", script_location())
+    rendered = make_url(url).render_as_string(hide_password=False)
+    # The config is a ConfigParser: a literal % (URL-escaped passwords) must be doubled.
+    cfg.set_main_option("sqlalchemy.url", rendered.replace("%", "%%"))
+    return cfg
+
+
+def upgrade_to_head(engine: Engine) -> None:
+    """Run every pending migration on `engine` in one transaction."""
+    cfg = alembic_config(engine.url)
+    with engine.begin() as connection:
+        # env.py uses this connection, so the engine's pragmas apply to the DDL.
+        cfg.attributes["connection"] = connection
+        command.upgrade(cfg, "head")
+    logger.info("store schema at revision %s", current_revision(engine))
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The revision recorded in the database, None before the first migration."""
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()

@@ -1,0 +1,1 @@
+"""Text in and out of token ids: chat framing and incremental detokenizing."""

@@ -1,0 +1,106 @@
+"""A real daemon process on loopback, and a small protocol client for tests."""
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import orjson
+import pytest
+from websockets.asyncio.client import connect
+
+DAEMON_ARGS = ["--num-blocks", "400", "--window-tokens", "256", "--max-output-tokens", "256",
+               "--max-text-chars", "20000", "--max-frame-bytes", "65536", "--num-threads", "2"]
+
+
+class Daemon:
+    """`streamchat serve` in a subprocess; `url` once it listens."""
+
+    def __init__(self, db_path, *extra, env=None):
+        self.db_path = db_path
+        self.extra = list(extra)
+        self.env = {**os.environ, **(env or {})}
+        self.proc = None
+        self.port = None
+
+    def start(self, timeout=120):
+        cmd = [sys.executable, "-m", "streamchat", "serve", "--port", "0", "--database-url",
+               f"sqlite:///{self.db_path}", *DAEMON_ARGS, *self.extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=self.env)
+        deadline = time.monotonic() + timeout
+        self.log = []
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("daemon exited:\n" + "".join(self.log))
+            self.log.append(line)
+            m = re.search(r"listening on ws://[\d.]+:(\d+)/", line)
+            if m:
+                self.port = int(m.group(1))
+                return self
+        raise RuntimeError("daemon did not start:\n" + "".join(self.log))
+
+    @property
+    def url(self):
+        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    @property
+    def http(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def kill(self, sig=signal.SIGKILL):
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout=60)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Client:
+    """One websocket with helpers to send events and read them in order."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.created = None
+
+    @classmethod
+    async def open(cls, url, **kw):
+        c = cls(await connect(url, max_size=None, **kw))
+        c.created = await c.recv()
+        assert c.created["type"] == "session.created"
+        return c
+
+    async def send(self, event):
+        await self.ws.send(orjson.dumps(event).decode())
+
+    async def recv(self, timeout=60):
+        return orjson.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+
+    async def until(self, type_, timeout=120):
+        """Events up to and including the first of `type_`."""
+        seen = []
+        while True:
+            e = await self.recv(timeout)
+            seen.append(e)
+            if e["type"] == type_:
+                return seen
+
+    async def close(self):
+        await self.ws.close()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("db") / "s.db").start()
+    yield d
+    d.stop()

@@ -1,0 +1,122 @@
+"""Tests of what survives: kill -9 and restart, disconnects mid-response, SIGTERM shutdown."""
+
+import asyncio
+import signal
+
+import pytest
+from conftest import Client, Daemon
+
+from streamchat.store import Store
+
+pytestmark = pytest.mark.slow
+
+
+def user_item(text):
+    return {"type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}
+
+
+def test_kill9_during_response_and_append_then_resume_from_transcript(tmp_path):
+    """Every acknowledged item survives SIGKILL; resume says `transcript` and the chat goes on."""
+    db = tmp_path / "s.db"
+    d = Daemon(db).start()
+
+    async def first():
+        c = await Client.open(d.url)
+        sid, token = c.created["session"]["id"], c.created["session"]["resume_token"]
+        await c.send({"type": "session.update", "session": {"instructions": "You are a pirate."}})
+        await c.until("session.updated")
+        await c.send(user_item("My name is Ada."))
+        await c.until("conversation.item.added")
+        await c.send({"type": "streamchat.input_text.append", "text": "The ship sails at dawn"})
+        appended = await c.until("streamchat.input_text.appended")
+        assert appended[-1]["tokens"] > 0
+        await c.send({"type": "response.create", "response": {"max_output_tokens": 200}})
+        await c.until("response.output_text.delta")
+        return sid, token
+
+    sid, token = asyncio.run(first())
+    d.kill(signal.SIGKILL)
+    with Store(f"sqlite:///{db}") as store:
+        items = store.items(sid)
+        assert [(i.role, i.kind) for i in items][:2] == [("user", "message"), ("user", "append")]
+        assert items[0].text == "My name is Ada." and items[1].text == "The ship sails at dawn"
+    d2 = Daemon(db).start()
+
+    async def second():
+        c = await Client.open(d2.url)
+        await c.send({"type": "streamchat.session.resume", "session_id": sid, "resume_token": token})
+        resumed = await c.recv()
+        assert resumed["type"] == "streamchat.session.resumed"
+        assert resumed["restored_from"] == "transcript" and resumed["session"]["id"] == sid
+        assert resumed["session"]["instructions"] == "You are a pirate."
+        await c.send(user_item("What is my name?"))
+        await c.until("conversation.item.done")
+        await c.send({"type": "response.create", "response": {"max_output_tokens": 30}})
+        done = (await c.until("response.done"))[-1]["response"]
+        assert done["status"] in ("completed", "incomplete") and done["usage"]["output_tokens"] > 0
+        await c.send({"type": "streamchat.session.resume", "session_id": sid, "resume_token": "wrong"})
+        assert (await c.recv())["error"]["code"] == "session_not_found"
+        await c.close()
+
+    try:
+        asyncio.run(second())
+    finally:
+        d2.stop()
+    with Store(f"sqlite:///{db}") as store:
+        statuses = [(i.kind, i.status) for i in store.items(sid)]
+    assert ("response", "incomplete") in statuses, "the response cut by the crash is stored incomplete"
+    assert statuses[-1] == ("response", "completed") or statuses[-1] == ("response", "incomplete")
+
+
+def test_disconnect_mid_response_stores_incomplete_and_resumes_from_memory(daemon):
+    """Closing the socket mid-reply stores the reply incomplete, frees nothing leaked, resumes from memory."""
+    async def go():
+        c = await Client.open(daemon.url)
+        sid, token = c.created["session"]["id"], c.created["session"]["resume_token"]
+        await c.send(user_item("Tell me a long story about a dragon."))
+        await c.until("conversation.item.done")
+        await c.send({"type": "response.create", "response": {"max_output_tokens": 200}})
+        await c.until("response.output_text.delta")
+        await c.close()
+        await asyncio.sleep(1.0)
+        c2 = await Client.open(daemon.url)
+        await c2.send({"type": "streamchat.session.resume", "session_id": sid, "resume_token": token})
+        resumed = await c2.recv()
+        assert resumed["restored_from"] == "memory"
+        await c2.send({"type": "response.create", "response": {"max_output_tokens": 5}})
+        done = (await c2.until("response.done"))[-1]["response"]
+        assert done["status"] in ("completed", "incomplete")
+        await c2.close()
+        return sid
+
+    sid = asyncio.run(go())
+    with Store(f"sqlite:///{daemon.db_path}") as store:
+        kinds = [(i.kind, i.status) for i in store.items(sid)]
+    assert kinds[1] == ("response", "incomplete") and kinds[1][1] != "in_progress"
+
+
+def test_sigterm_ends_responses_closes_1001_and_exits_0(tmp_path):
+    """SIGTERM: the running response is stored incomplete, sockets close with 1001, exit code 0."""
+    db = tmp_path / "s.db"
+    d = Daemon(db).start()
+
+    async def go():
+        c = await Client.open(d.url)
+        sid = c.created["session"]["id"]
+        await c.send(user_item("Tell me a long story."))
+        await c.until("conversation.item.done")
+        await c.send({"type": "response.create", "response": {"max_output_tokens": 250}})
+        await c.until("response.output_text.delta")
+        d.proc.send_signal(signal.SIGTERM)
+        events = await c.until("response.done")
+        assert events[-1]["response"]["status"] == "cancelled"
+        with pytest.raises(Exception):
+            await c.recv(timeout=30)
+        assert c.ws.close_code == 1001
+        return sid
+
+    sid = asyncio.run(go())
+    assert d.proc.wait(timeout=60) == 0
+    with Store(f"sqlite:///{db}") as store:
+        assert [i.status for i in store.items(sid)] == ["completed", "incomplete"]

@@ -1,0 +1,433 @@
+"""Pins the wire protocol: client events parsed to exact dataclasses, exact error codes, exact server events."""
+
+import json
+import re
+import subprocess
+import sys
+
+import orjson
+import pytest
+
+from streamchat.server import events as E
+from streamchat.server.protocol import (
+    CLIENT_EVENT_TYPES,
+    ERROR_CODES,
+    ErrorCode,
+    InputTextAppend,
+    InputTextCommit,
+    ItemCreate,
+    Limits,
+    ProtocolError,
+    ResponseCancel,
+    ResponseCreate,
+    SessionResume,
+    SessionStats,
+    SessionUpdate,
+    parse_client_event,
+)
+
+LIMITS = Limits(max_text_chars=100, max_output_tokens=4096, max_stop_strings=4, max_event_id_chars=32)
+
+
+def parse(event):
+    """Parse a dict (sent as JSON text) or a raw frame."""
+    frame = event if isinstance(event, (str, bytes)) else json.dumps(event)
+    return parse_client_event(frame, limits=LIMITS)
+
+
+def refuse(event):
+    with pytest.raises(ProtocolError) as info:
+        parse(event)
+    return info.value
+
+
+# -- valid client events -------------------------------------------------------------
+
+USER_ITEM = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+
+VALID = [
+    ({"type": "session.update", "session": {"instructions": "Be brief.", "max_output_tokens": 200}},
+     SessionUpdate(instructions="Be brief.", max_output_tokens=200)),
+    ({"type": "session.update", "event_id": "e1", "session": {"max_output_tokens": "inf"}},
+     SessionUpdate(event_id="e1", max_output_tokens="inf")),
+    ({"type": "session.update", "session": {}}, SessionUpdate()),
+    ({"type": "conversation.item.create", "event_id": "e2", "item": USER_ITEM},
+     ItemCreate(event_id="e2", role="user", text="hi")),
+    ({"type": "conversation.item.create", "item": {
+        "id": "item_7", "type": "message", "role": "assistant",
+        "content": [{"type": "output_text", "text": "a"}, {"type": "text", "text": "b"}]}},
+     ItemCreate(role="assistant", text="ab", item_id="item_7")),
+    ({"type": "conversation.item.create", "item": {"role": "system", "content": []}},
+     ItemCreate(role="system", text="")),
+    ({"type": "response.create"}, ResponseCreate()),
+    ({"type": "response.create", "response": None}, ResponseCreate()),
+    ({"type": "response.create", "event_id": "e3", "response": {
+        "max_output_tokens": 64, "instructions": "Answer in French.", "temperature": 0,
+        "top_p": 0.9, "top_k": 40, "seed": -7, "stop": ["\n\n", "User:"]}},
+     ResponseCreate(event_id="e3", max_output_tokens=64, instructions="Answer in French.",
+                    temperature=0.0, top_p=0.9, top_k=40, seed=-7, stop=("\n\n", "User:"))),
+    ({"type": "response.cancel"}, ResponseCancel()),
+    ({"type": "response.cancel", "event_id": "e4", "response_id": "resp_1"},
+     ResponseCancel(event_id="e4", response_id="resp_1")),
+    ({"type": "streamchat.input_text.append", "text": "and then "}, InputTextAppend(text="and then ")),
+    ({"type": "streamchat.input_text.append", "text": ""}, InputTextAppend(text="")),
+    ({"type": "streamchat.input_text.commit", "event_id": "e5"}, InputTextCommit(event_id="e5")),
+    ({"type": "streamchat.session.resume", "session_id": "sess_1", "resume_token": "tok"},
+     SessionResume(session_id="sess_1", resume_token="tok")),
+    ({"type": "streamchat.session.stats"}, SessionStats()),
+]
+
+
+@pytest.mark.parametrize(("event", "expected"), VALID, ids=[e["type"] for e, _ in VALID])
+def test_valid_event_parses_to_exact_dataclass(event, expected):
+    """Each client event type parses to exactly the expected frozen dataclass."""
+    assert parse(event) == expected
+
+
+def test_every_client_event_type_is_covered():
+    """The valid examples exercise every client event type of the spec."""
+    assert {e["type"] for e, _ in VALID} == set(CLIENT_EVENT_TYPES)
+    assert len(CLIENT_EVENT_TYPES) == 8
+
+
+def test_sdk_shaped_events_parse():
+    """What the official openai SDK sends (GA shapes, extra fields, nulls) parses."""
+    session = {"type": "realtime", "model": "gpt-realtime", "output_modalities": ["text"],
+               "instructions": "x", "tools": [], "tool_choice": "auto", "audio": {"input": {}},
+               "truncation": "auto", "tracing": None, "max_output_tokens": None}
+    assert parse({"type": "session.update", "session": session}) == SessionUpdate(instructions="x")
+    create = {"type": "conversation.item.create", "previous_item_id": "item_0",
+              "item": {**USER_ITEM, "id": "item_1", "object": "realtime.item", "status": "completed"}}
+    assert parse(create) == ItemCreate(role="user", text="hi", item_id="item_1")
+    response = {"conversation": "auto", "output_modalities": ["text"], "metadata": {"k": "v"},
+                "tool_choice": "none", "instructions": None}
+    assert parse({"type": "response.create", "response": response}) == ResponseCreate()
+
+
+def test_sdk_models_serialize_to_parseable_events():
+    """Events built with the SDK's own pydantic models parse (public to_json path)."""
+    rt = pytest.importorskip("openai.types.realtime")
+    frames = [
+        rt.SessionUpdateEvent(type="session.update", session=rt.RealtimeSessionCreateRequest(
+            type="realtime", instructions="Be kind.", output_modalities=["text"], max_output_tokens=9)),
+        rt.ConversationItemCreateEvent(type="conversation.item.create", item={
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "yo"}]}),
+        rt.ResponseCreateEvent(type="response.create"),
+        rt.ResponseCancelEvent(type="response.cancel", event_id="c1"),
+    ]
+    parsed = [parse(f.to_json(use_api_names=True, exclude_unset=True)) for f in frames]
+    assert parsed == [SessionUpdate(instructions="Be kind.", max_output_tokens=9),
+                      ItemCreate(role="user", text="yo"), ResponseCreate(), ResponseCancel(event_id="c1")]
+
+
+def test_dataclasses_are_frozen():
+    """Parsed events are immutable."""
+    with pytest.raises(AttributeError):
+        parse({"type": "streamchat.input_text.append", "text": "x"}).text = "y"
+
+
+def test_limit_boundaries_are_inclusive():
+    """Exactly at each limit is accepted."""
+    assert parse({"type": "streamchat.input_text.append", "text": "x" * 100}).text == "x" * 100
+    assert parse({"type": "response.create", "response": {"max_output_tokens": 4096}}).max_output_tokens == 4096
+    assert parse({"type": "response.create", "response": {"stop": list("abcd")}}).stop == tuple("abcd")
+    assert parse({"type": "streamchat.session.stats", "event_id": "e" * 32}).event_id == "e" * 32
+    assert parse({"type": "response.create", "response": {"temperature": 2, "top_p": 1}}).temperature == 2.0
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def test_error_codes_are_the_spec_codes():
+    """ERROR_CODES lists exactly the spec's codes, in spec order, as the Enum does."""
+    assert ERROR_CODES == (
+        "invalid_json", "invalid_event", "unknown_event", "conversation_already_has_active_response",
+        "response_cancel_not_active", "session_not_found", "message_too_large", "overloaded", "internal",
+    )
+    assert tuple(c.value for c in ErrorCode) == ERROR_CODES
+
+
+def test_protocol_error_fields_and_unknown_code():
+    """ProtocolError stores a plain-str code; a code outside the spec is a ValueError."""
+    exc = ProtocolError(ErrorCode.SESSION_NOT_FOUND, "no such session", "e9")
+    assert (exc.code, exc.message, exc.event_id) == ("session_not_found", "no such session", "e9")
+    assert type(exc.code) is str and str(exc) == "session_not_found: no such session"
+    with pytest.raises(ValueError):
+        ProtocolError("teapot", "x")
+
+
+ERRORS = [
+    # (frame, code, echoed event_id)
+    ("{not json", "invalid_json", None),
+    ("", "invalid_json", None),
+    ('{"type": "response.create", "event_id": "e1"', "invalid_json", None),
+    ('{"type": "streamchat.input_text.append", "text": "\\ud800"}', "invalid_json", None),
+    ('{"type": "streamchat.input_text.append", "text": "\\udc00\\ud800"}', "invalid_json", None),
+    ('{"type": "streamchat.input_text.append", "text": "\ud800"}', "invalid_json", None),
+    ('{"type": "response.create", "response": {"temperature": NaN}}', "invalid_json", None),
+    ('{"type": "response.create", "response": {"temperature": 1e400}}', "invalid_json", None),
+    ("[" * 2000 + "]" * 2000, "invalid_json", None),
+    ('{"a":' * 1100 + "1" + "}" * 1100, "invalid_json", None),
+    ("\ufeff{}", "invalid_json", None),
+    (b'{"type": "response.create"}', "invalid_event", None),
+    (b"\xff\xfe", "invalid_event", None),
+    ("[]", "invalid_event", None),
+    ('"response.create"', "invalid_event", None),
+    ("null", "invalid_event", None),
+    ({}, "invalid_event", None),
+    ({"type": 5, "event_id": "e1"}, "invalid_event", "e1"),
+    ({"type": None}, "invalid_event", None),
+    ({"type": "response.create", "event_id": 5}, "invalid_event", None),
+    ({"type": "response.create", "event_id": "e" * 33}, "invalid_event", None),
+    ({"type": "session.update", "event_id": "e2"}, "invalid_event", "e2"),
+    ({"type": "session.update", "session": []}, "invalid_event", None),
+    ({"type": "session.update", "session": {"type": "transcription"}}, "invalid_event", None),
+    ({"type": "session.update", "session": {"instructions": 3}}, "invalid_event", None),
+    ({"type": "session.update", "session": {"max_output_tokens": 0}}, "invalid_event", None),
+    ({"type": "session.update", "session": {"max_output_tokens": 4097}}, "invalid_event", None),
+    ({"type": "session.update", "session": {"max_output_tokens": "INF"}}, "invalid_event", None),
+    ({"type": "session.update", "session": {"max_output_tokens": 5.0}}, "invalid_event", None),
+    ({"type": "session.update", "session": {"max_output_tokens": True}}, "invalid_event", None),
+    ({"type": "conversation.item.create"}, "invalid_event", None),
+    ({"type": "conversation.item.create", "item": {**USER_ITEM, "type": "function_call"}}, "invalid_event", None),
+    ({"type": "conversation.item.create", "item": {**USER_ITEM, "role": "tool"}}, "invalid_event", None),
+    ({"type": "conversation.item.create", "item": {**USER_ITEM, "role": None}}, "invalid_event", None),
+    ({"type": "conversation.item.create", "item": {**USER_ITEM, "content": "hi"}}, "invalid_event", None),
+    ({"type": "conversation.item.create", "item": {**USER_ITEM, "content": ["hi"]}}, "invalid_event", None),
+    ({"type": "conversation.item.create", "item": {**USER_ITEM, "content": [
+        {"type": "input_audio", "audio": "AAAA"}]}}, "invalid_event", None),
+    ({"type": "conversation.item.create", "item": {**USER_ITEM, "content": [
+        {"type": "input_text", "text": None}]}}, "invalid_event", None),
+    ({"type": "conversation.item.create", "item": {**USER_ITEM, "id": ""}}, "invalid_event", None),
+    ({"type": "conversation.item.create", "item": {**USER_ITEM, "id": 7}}, "invalid_event", None),
+    ({"type": "conversation.item.create", "item": USER_ITEM, "previous_item_id": 1}, "invalid_event", None),
+    ({"type": "response.create", "response": "fast"}, "invalid_event", None),
+    ({"type": "response.create", "response": {"temperature": -0.1}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"temperature": 2.01}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"temperature": "1"}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"temperature": True}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"top_k": False}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"seed": True}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"top_p": 0}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"top_p": 1.5}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"top_k": -1}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"top_k": 1.0}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"seed": "1"}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"seed": 18446744073709551616}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"stop": "x"}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"stop": [""]}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"stop": [1]}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"stop": list("abcde")}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"instructions": ["x"]}}, "invalid_event", None),
+    ({"type": "response.cancel", "response_id": 3}, "invalid_event", None),
+    ({"type": "streamchat.input_text.append"}, "invalid_event", None),
+    ({"type": "streamchat.input_text.append", "text": 1, "event_id": "e3"}, "invalid_event", "e3"),
+    ({"type": "streamchat.session.resume", "session_id": "s"}, "invalid_event", None),
+    ({"type": "streamchat.session.resume", "session_id": "s", "resume_token": "t" * 33}, "invalid_event", None),
+    ({"type": "input_audio_buffer.append", "audio": "", "event_id": "e4"}, "unknown_event", "e4"),
+    ({"type": ""}, "unknown_event", None),
+    ({"type": "Response.Create"}, "unknown_event", None),
+    ({"type": "streamchat.input_text.append", "text": "x" * 101, "event_id": "e5"}, "message_too_large", "e5"),
+    ({"type": "conversation.item.create", "item": {**USER_ITEM, "content": [
+        {"type": "input_text", "text": "x" * 60}, {"type": "text", "text": "y" * 41}]}}, "message_too_large", None),
+    ({"type": "session.update", "session": {"instructions": "x" * 101}}, "message_too_large", None),
+    ({"type": "response.create", "response": {"instructions": "x" * 101}}, "message_too_large", None),
+]
+
+
+@pytest.mark.parametrize(("event", "code", "echo"), ERRORS, ids=range(len(ERRORS)))
+def test_error_code_and_event_id_echo(event, code, echo):
+    """Each malformed frame gets exactly its code, echoing a readable event_id."""
+    exc = refuse(event)
+    assert (exc.code, exc.event_id) == (code, echo)
+    assert exc.message
+
+
+def test_parse_error_codes_all_reachable():
+    """Every code the parser owns has an example above."""
+    assert {code for _, code, _ in ERRORS} == {"invalid_json", "invalid_event", "unknown_event", "message_too_large"}
+
+
+def test_non_frame_argument_is_a_type_error():
+    """Passing something that is not a frame is caller misuse, not a ProtocolError."""
+    with pytest.raises(TypeError):
+        parse_client_event(42, limits=LIMITS)
+
+
+def test_limits_must_be_positive():
+    """A zero limit is a configuration mistake."""
+    with pytest.raises(ValueError):
+        Limits(max_stop_strings=0)
+
+
+# -- server events ----------------------------------------------------------------------------
+
+TRUNCATION = {"sink_tokens": 4, "window_tokens": 2048, "block_size": 16}
+EVT_ID = re.compile(r"evt_[0-9a-f]{32}")
+
+
+def strip_id(event):
+    """The event without its random event_id, after checking the id's shape."""
+    assert EVT_ID.fullmatch(event["event_id"])
+    return {k: v for k, v in event.items() if k != "event_id"}
+
+
+def make_session(token="tok"):
+    return E.session_object(session_id="sess_1", model="smollm2", instructions="", max_output_tokens="inf",
+                            truncation=TRUNCATION, resume_token=token)
+
+
+def test_new_id_has_128_random_bits():
+    """new_id is prefix, underscore, 32 hex digits, and never repeats."""
+    ids = {E.new_id("item") for _ in range(1000)}
+    assert len(ids) == 1000
+    assert all(re.fullmatch(r"item_[0-9a-f]{32}", i) for i in ids)
+
+
+def test_session_object_and_token_shown_once():
+    """session.created shows resume_token; session.updated and resumed never do."""
+    session = make_session()
+    assert list(session) == ["type", "object", "id", "model", "instructions", "output_modalities",
+                             "max_output_tokens", "resume_token", "truncation"]
+    assert session["truncation"] == {"type": "streamchat.sink_window", **TRUNCATION}
+    assert strip_id(E.session_created(session)) == {"type": "session.created", "session": session}
+    public = {k: v for k, v in session.items() if k != "resume_token"}
+    assert make_session(token=None) == public
+    assert strip_id(E.session_updated(session)) == {"type": "session.updated", "session": public}
+    assert strip_id(E.session_resumed(session, "disk")) == {
+        "type": "streamchat.session.resumed", "session": public, "restored_from": "disk"}
+    with pytest.raises(ValueError):
+        E.session_resumed(session, "cloud")
+
+
+def test_item_object_and_item_events():
+    """Items are GA realtime.item messages; the part type follows the role."""
+    user = E.item_object("item_1", "user", "hi")
+    assert user == {"id": "item_1", "object": "realtime.item", "type": "message", "status": "completed",
+                    "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+    assert E.item_object("i", "system", "s")["content"] == [{"type": "input_text", "text": "s"}]
+    assert E.item_object("i", "assistant", "a")["content"] == [{"type": "output_text", "text": "a"}]
+    assert E.item_object("i", "assistant", None, status="in_progress")["content"] == []
+    with pytest.raises(ValueError):
+        E.item_object("i", "user", "x", status="done")
+    assert strip_id(E.item_added(user)) == {"type": "conversation.item.added", "previous_item_id": None, "item": user}
+    assert strip_id(E.item_done(user, "item_0")) == {
+        "type": "conversation.item.done", "previous_item_id": "item_0", "item": user}
+
+
+def test_streamchat_events():
+    """input_text.appended and session.stats carry their figures at top level."""
+    assert strip_id(E.input_text_appended("item_1", 5, 120)) == {
+        "type": "streamchat.input_text.appended", "item_id": "item_1", "tokens": 5, "context_tokens": 120}
+    stats = {"context_tokens": 2052, "total_tokens": 90000, "evicted_tokens": 87948,
+             "blocks": {"owned": 100, "shared": 29}, "kv_bytes": 123456, "items": 40}
+    assert strip_id(E.session_stats(stats)) == {"type": "streamchat.session.stats", **stats}
+    with pytest.raises(ValueError):
+        E.session_stats({"context_tokens": 1})
+
+
+@pytest.mark.parametrize("code", ERROR_CODES)
+def test_error_event_for_each_code(code):
+    """Every code builds an error event; internal and overloaded are server_error."""
+    kind = "server_error" if code in ("internal", "overloaded") else "invalid_request_error"
+    assert strip_id(E.error(code, "msg", "e1")) == {
+        "type": "error", "error": {"type": kind, "code": code, "message": "msg", "event_id": "e1"}}
+    assert E.error(ErrorCode(code), "msg")["error"]["event_id"] is None
+
+
+def test_error_event_rejects_unknown_code():
+    """Only spec codes go on the wire."""
+    with pytest.raises(ValueError):
+        E.error("oops", "msg")
+
+
+def test_response_object_status_details():
+    """status_details follows the status: none, reason, or error."""
+    usage = E.usage_object(input_tokens=10, output_tokens=3, cached_tokens=8, context_tokens=13,
+                           evicted_tokens=0, ttft_ms=12.5, output_tokens_per_s=80.0)
+    assert usage == {"total_tokens": 13, "input_tokens": 10, "output_tokens": 3,
+                     "input_token_details": {"cached_tokens": 8}, "context_tokens": 13, "evicted_tokens": 0,
+                     "timing": {"ttft_ms": 12.5, "output_tokens_per_s": 80.0}}
+    item = E.item_object("item_2", "assistant", "ok")
+    assert E.response_object("resp_1", "completed", output=[item], usage=usage, max_output_tokens=64) == {
+        "id": "resp_1", "object": "realtime.response", "status": "completed", "status_details": None,
+        "output": [item], "output_modalities": ["text"], "max_output_tokens": 64, "usage": usage}
+    details = {s: E.response_object("r", s)["status_details"] for s in E.RESPONSE_STATUSES}
+    assert details == {
+        "in_progress": None, "completed": None,
+        "cancelled": {"type": "cancelled", "reason": "client_cancelled"},
+        "incomplete": {"type": "incomplete", "reason": "max_output_tokens"},
+        "failed": {"type": "failed", "error": {"type": "server_error", "code": "internal",
+                                               "message": "response failed"}},
+    }
+    with pytest.raises(ValueError):
+        E.response_object("r", "done")
+
+
+def response_events(text_pieces, status="completed"):
+    """The full event list of one response streaming `text_pieces`."""
+    opened = E.item_object("item_2", "assistant", None, status="in_progress")
+    events = E.response_start_events(E.response_object("resp_1", "in_progress"), opened, "item_1")
+    events += [E.output_text_delta("resp_1", "item_2", piece) for piece in text_pieces]
+    final = E.item_object("item_2", "assistant", "".join(text_pieces),
+                          status="completed" if status == "completed" else "incomplete")
+    events += E.response_end_events(E.response_object("resp_1", status, output=[final]), final, "item_1")
+    return events
+
+
+def test_response_event_sequence_order():
+    """One response emits exactly the spec's ordered event types."""
+    assert [e["type"] for e in response_events(["Hel", "lo", " wörld"])] == [
+        "response.created", "response.output_item.added", "conversation.item.added",
+        "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "conversation.item.done", "response.done",
+    ]
+    assert [e["type"] for e in response_events([], "cancelled")][-1] == "response.done"
+
+
+def test_response_event_fields():
+    """Part events carry response_id, item_id, output_index 0, content_index 0; text matches deltas."""
+    events = [strip_id(e) for e in response_events(["Hel", "lo"])]
+    ids = {"response_id": "resp_1", "item_id": "item_2", "output_index": 0, "content_index": 0}
+    assert events[3] == {"type": "response.content_part.added", **ids, "part": {"type": "text", "text": ""}}
+    assert events[4] == {"type": "response.output_text.delta", **ids, "delta": "Hel"}
+    assert events[6] == {"type": "response.output_text.done", **ids, "text": "Hello"}
+    assert events[7] == {"type": "response.content_part.done", **ids, "part": {"type": "text", "text": "Hello"}}
+    assert events[1]["item"]["content"] == [] and events[1]["output_index"] == 0
+    assert events[2]["previous_item_id"] == "item_1"
+    assert events[8]["item"]["content"] == [{"type": "output_text", "text": "Hello"}]
+    assert events[10]["response"]["output"] == [events[8]["item"]]
+    assert len({e["event_id"] for e in response_events(["a"])}) == 10
+
+
+def test_encode_is_compact_utf8_json_text():
+    """encode gives the exact compact JSON text of the event."""
+    event = {"type": "response.output_text.delta", "delta": "é\u2028😀"}
+    assert E.encode(event) == '{"type":"response.output_text.delta","delta":"é\u2028😀"}'
+    error = E.error("internal", "x", "e1")
+    assert isinstance(E.encode(error), str) and orjson.loads(E.encode(error)) == error
+
+
+def test_server_events_validate_against_the_openai_sdk_models():
+    """The GA SDK's own models accept every server event (session truncation aside)."""
+    pydantic = pytest.importorskip("pydantic")
+    rt = pytest.importorskip("openai.types.realtime")
+    adapter = pydantic.TypeAdapter(rt.RealtimeServerEvent)
+    session = make_session()
+    del session["truncation"]  # streamchat.sink_window is our extension; the SDK parses it unchecked
+    usage = E.usage_object(input_tokens=1, output_tokens=1, cached_tokens=0, context_tokens=2,
+                           evicted_tokens=0, ttft_ms=None, output_tokens_per_s=None)
+    events = [E.session_created(session), E.session_updated(session), E.error("internal", "x"),
+              E.item_added(E.item_object("i", "user", "x")), E.item_done(E.item_object("i", "system", "x")),
+              E.response_done(E.response_object("r", "failed", usage=usage))]
+    events += response_events(["a", "b"]) + response_events(["a"], "incomplete")
+    for event in events:
+        assert adapter.validate_python(event).type == event["type"]
+
+
+def test_protocol_modules_import_no_torch():
+    """The protocol layer is torch-free (house habit 2), checked in a clean interpreter."""
+    code = ("import sys, streamchat.server.protocol, streamchat.server.events; "
+            "sys.exit(bool({'torch', 'triton', 'websockets'} & set(sys.modules)))")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
