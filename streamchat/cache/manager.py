@@ -51,6 +51,7 @@ class SeqCache:
     block_hashes: list[int] = field(default_factory=list)  # of the first full blocks
     evicted_tokens: int = 0
     cached_tokens: int = 0  # tokens taken from the prefix cache instead of computed
+    queried_tokens: int = 0  # tokens looked up in the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +110,7 @@ class KVCacheManager:
         if not (self.prefix_sharing and seq.pristine) or seq.num_tokens % bs:
             return 0
         self.num_prefix_queried_tokens += len(token_ids) // bs * bs
+        seq.queried_tokens += len(token_ids) // bs * bs
         taken = 0
         while taken + bs <= len(token_ids):
             block_tokens = tuple(token_ids[taken:taken + bs])

@@ -193,7 +193,9 @@ class Engine:
         return {
             "context_tokens": st.context_tokens, "total_tokens": s.total_tokens,
             "evicted_tokens": st.evicted_tokens, "cached_tokens": st.cached_tokens,
-            "blocks": {"owned": st.owned_blocks, "shared": st.shared_blocks},
+            "blocks": {"owned": st.owned_blocks, "shared": st.shared_blocks,
+                       "pool_cached_free": self.pool.num_cached_free, "pool_free": self.pool.num_free},
+            "prefix": {"queried_tokens": s.seq.queried_tokens, "hit_tokens": s.seq.cached_tokens},
             "kv_bytes": len(s.seq.block_ids) * self.runner.bytes_per_block,
             "items": s.num_items, "resident": s.resident,
         }
@@ -231,8 +233,6 @@ class Engine:
             return events + [ItemPrefilled(s.session_id, t, s.seq.num_tokens) for s, t in sched.tickets]
         started = time.perf_counter()
         logits = self.runner.execute(sched.batch)
-        for s in {id(o): o for o in sched.owners}.values():
-            self.manager.commit(s.seq)
         events += [ItemPrefilled(s.session_id, t, s.seq.num_tokens) for s, t in sched.tickets]
         samplers = [o for o, c in zip(sched.owners, sched.batch.chunks()) if c.want_logits]
         if samplers:

@@ -118,10 +118,10 @@ class Scheduler:
     def _take_prefix(self, s: EngineSession) -> None:
         """Serve the head of the queue from cached blocks where the pool has them."""
         head = s.pending[0]
-        if head.done or not s.seq.pristine:
+        if not s.seq.pristine:
             return
         upto = head.remaining - (1 if head.starts_response else 0)
-        taken = self.manager.match_prefix(s.seq, head.token_ids[:upto])
+        taken = self.manager.match_prefix(s.seq, head.token_ids[head.done:head.done + upto])
         head.done += taken
 
     def _report(self, out: Scheduled, s: EngineSession, finished: list[Pending]) -> None:
@@ -130,6 +130,9 @@ class Scheduler:
     def _add(self, out: Scheduled, s: EngineSession, tokens: list[int], decode: bool,
              want_logits: bool = True) -> None:
         placed = self.manager.append(s.seq, tokens)
+        # Register newly full blocks now: a session scheduled later in this same step may
+        # take them. Safe because every layer writes the step's K/V before any attention.
+        self.manager.commit(s.seq)
         chunk = SeqChunk(tokens, placed.positions, placed.slots, list(s.seq.block_ids), want_logits)
         (out.batch.decode if decode else out.batch.prefill).append(chunk)
         out.owners.append(s)

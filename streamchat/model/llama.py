@@ -111,7 +111,9 @@ class LlamaModel:
                 logits_idx: torch.Tensor | None) -> torch.Tensor | None:
         """input_ids, positions (T,) -> float32 logits (N, vocab) for the rows in logits_idx."""
         s = self.shape
-        cos_table, sin_table = self.rope_tables(int(positions.max()) + 1 if positions.numel() else 1)
+        block_size = kv_caches[0][0].shape[1]
+        widths = [g.block_tables.shape[1] for g in (meta.decode, meta.prefill) if g is not None]
+        cos_table, sin_table = self.rope_tables(max(widths, default=1) * block_size)  # keys rotate up to here
         cos = cos_table[positions].to(self.dtype)[:, None, :]  # (T, 1, D)
         sin = sin_table[positions].to(self.dtype)[:, None, :]
         h = self.embed[input_ids]  # (T, hidden)
