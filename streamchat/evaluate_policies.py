@@ -174,7 +174,7 @@ def recompute_policy(loaded: LoadedModel, token_ids: list[int], spec: EvalSpec, 
         nll.append(F.cross_entropy(logits, torch.tensor([token_ids[t + 1]], device=dev), reduction="none"))
         manager.free(seq)
         bar.update(1)
-    note = f"strided sample: every {spec.recompute_stride}th token" if spec.recompute_stride > 1 else None
+    note = f"strided sample: 1 token in {spec.recompute_stride}" if spec.recompute_stride > 1 else None
     nll_t = torch.cat(nll).float().cpu() if nll else torch.zeros(0)
     return PolicyNLL(targets, nll_t, time.perf_counter() - started, note)
 

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import tomllib
+import types
 import typing
 
 from streamchat.config import (CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig,
@@ -37,8 +38,9 @@ def _flag_name(section: str, name: str) -> str:
 def _field_type(cls, f: dataclasses.Field):
     hints = typing.get_type_hints(cls)
     t = hints[f.name]
-    args = [a for a in typing.get_args(t) if a is not type(None)]
-    return args[0] if args else t
+    if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union:  # X | None
+        return next(a for a in typing.get_args(t) if a is not type(None))
+    return t
 
 
 def _convert(value, typ, name: str):

@@ -168,7 +168,7 @@ def test_cli_json_lines(capsys):
     assert sink["sample_tokens"] == 11
     assert set(recompute) == common | {"stride", "note"}
     assert (recompute["stride"], recompute["tokens"], recompute["window_tokens"]) == (8, 11, 32)
-    assert recompute["note"] == "strided sample: every 8th token"
+    assert recompute["note"] == "strided sample: 1 token in 8"
 
 
 @pytest.mark.parametrize("args,message", [

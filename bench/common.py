@@ -1,0 +1,183 @@
+"""Helpers the benchmarks share: percentiles, the shipped text, model flags, transformers baselines.
+
+Not a benchmark itself. Every bench script puts `bench/` on `sys.path` by
+being run as `python bench/NAME.py`, so `import common` finds this file.
+Imports torch lazily: `bench/load.py` (a websocket client) never loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+from pathlib import Path
+
+BOTCHAN = Path(__file__).resolve().parent.parent / "streamchat" / "data" / "botchan.txt"
+
+PROMPTS = ["Tell me a story about a dragon.", "Explain how a rainbow forms.", "Write a poem about autumn.",
+           "Describe the city of Paris.", "What is machine learning?", "Give advice for a job interview.",
+           "Summarize the plot of Hamlet.", "How do airplanes fly?"]
+
+
+def passive_omp() -> None:
+    """What the daemon does before torch starts: OpenMP workers sleep instead of spinning.
+
+    On a few cores spinning workers starve the event loop thread. Must run
+    before torch is imported; an OMP_WAIT_POLICY already set wins.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"give positive integers, e.g. 1,4,16: {text!r}")
+    return values
+
+
+def percentile(samples, q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation; None for no samples."""
+    xs = sorted(samples)
+    if not xs:
+        return None
+    if len(xs) == 1:
+        return float(xs[0])
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (k - lo))
+
+
+def median(samples) -> float | None:
+    xs = list(samples)
+    return float(statistics.median(xs)) if xs else None
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 2)
+
+
+def fmt(value, width: int = 10, digits: int = 1) -> str:
+    """A right-aligned number, or '-' for None."""
+    if value is None:
+        return f"{'-':>{width}}"
+    if isinstance(value, int):
+        return f"{value:>{width}d}"
+    return f"{value:>{width}.{digits}f}"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def rounded(d: dict, digits: int = 3) -> dict:
+    """Floats rounded for the JSON line (nested dicts and lists too)."""
+    def r(v):
+        if isinstance(v, float):
+            return round(v, digits)
+        if isinstance(v, dict):
+            return {k: r(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [r(x) for x in v]
+        return v
+    return r(d)
+
+
+def botchan_text() -> str:
+    return BOTCHAN.read_text(encoding="utf-8-sig")
+
+
+def botchan_ids(tokenizer, num_tokens: int) -> list[int]:
+    """The first `num_tokens` tokens of the shipped Botchan (repeated if it is too short)."""
+    ids = tokenizer(botchan_text(), add_special_tokens=False, verbose=False)["input_ids"]
+    return (ids * (num_tokens // len(ids) + 1))[:num_tokens]
+
+
+def botchan_prefix(tokenizer, num_tokens: int) -> str:
+    """Text of about `num_tokens` tokens from Botchan (decoded, so re-encoding may differ by a few)."""
+    return tokenizer.decode(botchan_ids(tokenizer, num_tokens))
+
+
+# -- the model ------------------------------------------------------------------
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """--model, --dtype (default auto), --device, --attention-backend, --num-threads, --cache-dir."""
+    from streamchat import settings
+
+    settings.add_flags(parser, ("model",))
+
+
+def model_config(args: argparse.Namespace):
+    """The ModelConfig the flags (then STREAMCHAT_* variables) describe."""
+    from streamchat import settings
+
+    return settings.load(args).model
+
+
+def describe(loaded) -> str:
+    import torch
+
+    m = loaded.model
+    return (f"{loaded.source.name}: dtype={m.dtype} device={m.device} attention={m.backend.name} "
+            f"threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}")
+
+
+def disable_eos(engine) -> None:
+    """Responses run to max_tokens, as `min_new_tokens` makes transformers do: same work on both sides."""
+    engine.eos_ids = set()
+
+
+def sync(device) -> None:
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        torch.cuda.synchronize()
+
+
+# -- transformers baselines -------------------------------------------------------
+
+def load_transformers(loaded):
+    """The same weights and dtype through transformers, on our device."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(loaded.source.folder, dtype=loaded.model.dtype)
+    return model.to(loaded.model.device).eval()
+
+
+def chat_inputs(chat, prompts: list[str], system: str = "") -> list[list[int]]:
+    """The token ids our engine computes for a new session with one user item and a reply prompt."""
+    head = chat.bos_ids + (chat.message("system", system) if system else [])
+    return [head + chat.message("user", p) + chat.reply_prompt() for p in prompts]
+
+
+def hf_sequential(model, inputs: list[list[int]], tokens: int) -> int:
+    """One `generate` per prompt, one after another; returns new tokens."""
+    import torch
+
+    total = 0
+    with torch.inference_mode():
+        for ids in inputs:
+            out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=tokens,
+                                 min_new_tokens=tokens, do_sample=False)
+            total += out.shape[1] - len(ids)
+    return total
+
+
+def hf_padded(model, inputs: list[list[int]], tokens: int, pad_id: int) -> int:
+    """One left-padded `generate` over all prompts; returns new tokens."""
+    import torch
+
+    width = max(len(i) for i in inputs)
+    ids = torch.tensor([[pad_id] * (width - len(i)) + i for i in inputs], device=model.device)
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in inputs], device=model.device)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                             do_sample=False, pad_token_id=pad_id)
+    return (out.shape[1] - width) * len(inputs)

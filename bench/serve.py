@@ -1,0 +1,319 @@
+"""Serving throughput and latency through the engine's asyncio face, against transformers, in one process.
+
+    python bench/serve.py                                    # the issue's sizes
+    python bench/serve.py --sessions 1,2 --tokens 8 --hf-sessions 2 --append-tokens 300 \\
+        --mixed-tokens 24 --repeats 1                         # a smoke run
+
+1. Concurrency sweep. For each N in --sessions, N chat sessions run at once
+   through `AsyncEngine` exactly as the daemon drives it: each session is an
+   asyncio task that opens a session, adds a user item, starts a greedy
+   response of --tokens tokens (`engine.call(...)` per request), opens the
+   response's stream and consumes it, stamping each `TextDelta` on arrival
+   (client side, `time.perf_counter`). Figures: aggregate output tokens/s
+   (all output tokens / wall time from the first open to the last finish,
+   prefill included), time to first token (open -> first delta) p50/p99,
+   inter-token latency (gaps between consecutive deltas) p50/p99. Latency
+   samples are pooled over --repeats runs; tokens/s is their median.
+2. transformers `generate` on the same weights and dtype, same device, same
+   prompt tokens (our chat framing), greedy, `min_new_tokens = max_new_tokens
+   = --tokens`: --hf-sessions prompts one after another, and as one
+   left-padded batch. EOS is switched off on our side for the whole run, so
+   both sides produce exactly --tokens tokens per response.
+   Ratios: ours@16 / transformers sequential (target >= 8), ours@16 /
+   transformers padded batch (target >= 1.5). (The ratio uses ours at the
+   largest --sessions value not above --hf-sessions.)
+3. Mixed load. Session A streams a response of --mixed-tokens tokens; after
+   its --mixed-warmup-th delta, session B appends --append-tokens tokens of
+   Botchan (streamchat/data/botchan.txt) with one `append_text` call. A's
+   inter-token latency over the whole stream, p50 and p99, and p99/p50
+   (target <= 3); also split into before / during the append (until B's
+   append is fully in the cache, reported through its ticket).
+
+Prints a table, then one JSON line. Never asserts; exits 0. Not a test:
+numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+common.passive_omp()  # as the daemon does, before torch starts
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+TARGET_SEQUENTIAL = 8.0
+TARGET_PADDED = 1.5
+TARGET_MIXED = 3.0
+
+_ids = itertools.count()
+
+
+@dataclass
+class Stream:
+    """What one client saw of one response."""
+
+    started: float  # before the session was opened
+    deltas: list[float] = field(default_factory=list)  # arrival time of each TextDelta
+    tokens: int = 0
+    status: str = ""
+    reason: str | None = None
+    engine_ttft_ms: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.deltas[0] - self.started if self.deltas else None
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.deltas, self.deltas[1:])]
+
+
+async def consume(stream: asyncio.Queue, out: Stream, on_delta=None) -> None:
+    from streamchat.engine.events import ResponseFinished, TextDelta
+
+    while True:
+        ev = await stream.get()
+        if isinstance(ev, TextDelta):
+            out.deltas.append(time.perf_counter())
+            if on_delta is not None:
+                on_delta(len(out.deltas))
+        elif isinstance(ev, ResponseFinished):
+            out.tokens = len(ev.token_ids)
+            out.status, out.reason = ev.status, ev.reason
+            out.engine_ttft_ms = (ev.usage.get("timing") or {}).get("ttft_ms")
+            return
+
+
+async def chat_session(aeng, prompt: str, tokens: int, on_delta=None, keep_open: bool = False) -> Stream:
+    """Open, add a user item, start a greedy response, read its stream, close."""
+    from streamchat.model.sampling import SamplingParams
+
+    eng = aeng.engine
+    n = next(_ids)
+    sid, rid = f"bench-s{n}", f"bench-r{n}"
+    out = Stream(time.perf_counter())
+    await aeng.call(eng.open_session, sid, "")
+    await aeng.call(eng.add_item, sid, "user", prompt)
+    stream = aeng.open_stream(rid)
+    try:
+        await aeng.call(eng.start_response, sid, rid, SamplingParams(), tokens)
+        await consume(stream, out, on_delta)
+    finally:
+        aeng.close_stream(rid)
+    if not keep_open:
+        await aeng.call(eng.close_session, sid)
+    return out
+
+
+async def sweep_point(aeng, prompts: list[str], tokens: int) -> tuple[float, list[Stream]]:
+    start = time.perf_counter()
+    streams = await asyncio.gather(*(chat_session(aeng, p, tokens) for p in prompts))
+    wall = time.perf_counter() - start
+    return sum(s.tokens for s in streams) / wall, streams
+
+
+async def mixed(aeng, prompt: str, append_text: str, tokens: int, warmup: int) -> dict:
+    """A streams; B appends a long text in one call once A has produced `warmup` deltas."""
+    eng = aeng.engine
+    loop = asyncio.get_running_loop()
+    sid_b = f"bench-append{next(_ids)}"
+    await aeng.call(eng.open_session, sid_b, "")
+    await aeng.call(eng.add_item, sid_b, "user", "Here is a book, in parts.")
+    go = asyncio.Event()
+    times: dict[str, float] = {}
+
+    def on_delta(count: int) -> None:
+        if count == warmup:
+            go.set()
+
+    async def appender() -> int:
+        await go.wait()
+        ticket = loop.create_future()
+        times["append_start"] = time.perf_counter()
+        added = await aeng.call(eng.append_text, sid_b, append_text, ticket)
+        await ticket
+        times["append_done"] = time.perf_counter()
+        return added
+
+    task_b = asyncio.create_task(appender())
+    a = await chat_session(aeng, prompt, tokens, on_delta)
+    if not go.is_set():  # A finished before the warm-up count: append anyway, say so
+        go.set()
+    added = await task_b
+    await aeng.call(eng.close_session, sid_b)
+    t0, t1 = times["append_start"], times["append_done"]
+    gaps = list(zip(a.deltas[1:], a.gaps))  # (arrival, gap) pairs
+    before = [g for t, g in gaps if t <= t0]
+    during = [g for t, g in gaps if t0 < t <= t1]
+    after = [g for t, g in gaps if t > t1]
+    p50, p99 = common.percentile(a.gaps, 50), common.percentile(a.gaps, 99)
+    return {
+        "append_tokens": added, "append_s": t1 - t0, "stream_tokens": a.tokens, "stream_deltas": len(a.deltas),
+        "deltas_during_append": len(during), "stream_outlived_append": bool(after),
+        "itl_p50_ms": common.ms(p50), "itl_p99_ms": common.ms(p99),
+        "itl_max_ms": common.ms(max(a.gaps) if a.gaps else None),
+        "p99_over_p50": common.ratio(p99, p50),
+        "before_p50_ms": common.ms(common.percentile(before, 50)),
+        "during_p50_ms": common.ms(common.percentile(during, 50)),
+        "during_p99_ms": common.ms(common.percentile(during, 99)),
+        "after_p50_ms": common.ms(common.percentile(after, 50)),
+    }
+
+
+async def run_ours(llm, args) -> tuple[list[dict], dict | None]:
+    from streamchat.engine.async_engine import AsyncEngine
+
+    aeng = AsyncEngine(llm.engine, args.num_threads_engine)
+    aeng.start()
+    try:
+        await sweep_point(aeng, common.PROMPTS[:2], 4)  # warm-up
+        rows = []
+        for n in args.sessions:
+            prompts = [common.PROMPTS[i % len(common.PROMPTS)] for i in range(n)]
+            rates, streams = [], []
+            for _ in range(args.repeats):
+                rate, got = await sweep_point(aeng, prompts, args.tokens)
+                rates.append(rate)
+                streams += got
+            ttfts = [s.ttft for s in streams if s.ttft is not None]
+            gaps = [g for s in streams for g in s.gaps]
+            statuses = sorted({f"{s.status}:{s.reason}" for s in streams})
+            rows.append({
+                "sessions": n, "tok_s": common.median(rates),
+                "ttft_p50_ms": common.ms(common.percentile(ttfts, 50)),
+                "ttft_p99_ms": common.ms(common.percentile(ttfts, 99)),
+                "itl_p50_ms": common.ms(common.percentile(gaps, 50)),
+                "itl_p99_ms": common.ms(common.percentile(gaps, 99)),
+                "tokens_per_response": common.median([s.tokens for s in streams]),
+                "statuses": statuses,
+            })
+            print(f"  ours {n:>3} sessions: {rows[-1]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        mix = None
+        if args.append_tokens:
+            text = common.botchan_prefix(llm.tokenizer, args.append_tokens)
+            mix = await mixed(aeng, common.PROMPTS[0], text, args.mixed_tokens, args.mixed_warmup)
+        return rows, mix
+    finally:
+        await aeng.stop()
+
+
+def timed(fn, device) -> float:
+    common.sync(device)
+    start = time.perf_counter()
+    tokens = fn()
+    common.sync(device)
+    return tokens / (time.perf_counter() - start)
+
+
+def run_transformers(llm, args) -> dict:
+    hf = common.load_transformers(llm.loaded)
+    device = llm.loaded.model.device
+    n = args.hf_sessions
+    prompts = [common.PROMPTS[i % len(common.PROMPTS)] for i in range(n)]
+    inputs = common.chat_inputs(llm.engine.chat, prompts)
+    pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+    common.hf_sequential(hf, inputs[:1], 4)  # warm-up
+    common.hf_padded(hf, inputs[:2], 4, pad)
+    seq = timed(lambda: common.hf_sequential(hf, inputs, args.tokens), device)  # once: it is the slow one
+    print(f"  transformers {n} sequential: {seq:.1f} tok/s", file=sys.stderr, flush=True)
+    padded = common.median(timed(lambda: common.hf_padded(hf, inputs, args.tokens, pad), device)
+                           for _ in range(args.repeats))
+    print(f"  transformers {n} padded: {padded:.1f} tok/s", file=sys.stderr, flush=True)
+    del hf
+    return {"sessions": n, "sequential_tok_s": seq, "padded_tok_s": padded}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", type=common.int_list, default=[1, 4, 16, 32],
+                   help="concurrent sessions, comma-separated (default 1,4,16,32)")
+    p.add_argument("--tokens", type=int, default=64, help="output tokens per response (default 64)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per sweep point; tokens/s is their median")
+    p.add_argument("--hf-sessions", type=int, default=16,
+                   help="prompts for the transformers baselines; 0 skips them (default 16)")
+    p.add_argument("--append-tokens", type=int, default=10_000,
+                   help="tokens session B appends in one call in the mixed case; 0 skips it (default 10000)")
+    p.add_argument("--mixed-tokens", type=int, default=256, help="session A's response length in the mixed case")
+    p.add_argument("--mixed-warmup", type=int, default=16, help="A's deltas before B appends")
+    p.add_argument("--kv-memory-gib", type=float, default=1.0, help="KV pool size (default 1)")
+    p.add_argument("--max-tokens-per-step", type=int, default=None, help="default: SchedulerConfig's")
+    common.add_model_flags(p)
+    args = p.parse_args(argv)
+    if args.tokens <= 0 or args.repeats <= 0 or args.mixed_tokens <= 1:
+        p.error("--tokens, --repeats must be positive and --mixed-tokens > 1")
+    args.mixed_warmup = max(1, min(args.mixed_warmup, args.mixed_tokens - 1))
+
+    import torch
+
+    from streamchat.config import CacheConfig, Config, SchedulerConfig
+    from streamchat.llm import LLM
+
+    model_cfg = common.model_config(args)
+    sched = SchedulerConfig(**({"max_tokens_per_step": args.max_tokens_per_step}
+                               if args.max_tokens_per_step else {}))
+    llm = LLM(Config(model=model_cfg, cache=CacheConfig(kv_memory_gib=args.kv_memory_gib), scheduler=sched))
+    args.num_threads_engine = model_cfg.num_threads
+    common.disable_eos(llm.engine)
+    print(common.describe(llm.loaded), file=sys.stderr, flush=True)
+
+    rows, mix = asyncio.run(run_ours(llm, args))
+    hf = run_transformers(llm, args) if args.hf_sessions else None
+
+    # ours at the largest swept N not above the transformers prompt count
+    ref = None
+    if hf:
+        under = [r for r in rows if r["sessions"] <= hf["sessions"]]
+        ref = max(under, key=lambda r: r["sessions"]) if under else None
+    ratios = {
+        "ours_vs_hf_sequential": common.ratio(ref and ref["tok_s"], hf and hf["sequential_tok_s"]),
+        "ours_vs_hf_padded": common.ratio(ref and ref["tok_s"], hf and hf["padded_tok_s"]),
+        "mixed_p99_over_p50": mix and mix["p99_over_p50"],
+    }
+
+    print(f"{common.describe(llm.loaded)}; tokens={args.tokens} repeats={args.repeats} "
+          f"max_tokens_per_step={llm.config.scheduler.max_tokens_per_step}")
+    print(f"{'':34}{'tok/s':>10}{'ttft p50':>10}{'ttft p99':>10}{'itl p50':>10}{'itl p99':>10}   (ms)")
+    for r in rows:
+        print(f"{'ours, ' + str(r['sessions']) + ' sessions':34}{common.fmt(r['tok_s'])}"
+              f"{common.fmt(r['ttft_p50_ms'])}{common.fmt(r['ttft_p99_ms'])}"
+              f"{common.fmt(r['itl_p50_ms'])}{common.fmt(r['itl_p99_ms'])}")
+    if hf:
+        n = hf["sessions"]
+        at = f"ours@{ref['sessions']}" if ref else "ours"
+        rs, rp = ratios["ours_vs_hf_sequential"], ratios["ours_vs_hf_padded"]
+        print(f"{f'transformers, {n} sequential':34}{common.fmt(hf['sequential_tok_s'])}"
+              f"   {at} ratio {common.fmt(rs, 0, 2)}x (target >= {TARGET_SEQUENTIAL:g})")
+        print(f"{f'transformers, {n} padded batch':34}{common.fmt(hf['padded_tok_s'])}"
+              f"   {at} ratio {common.fmt(rp, 0, 2)}x (target >= {TARGET_PADDED:g})")
+    if mix:
+        print(f"mixed: A streams {mix['stream_tokens']} tokens while B appends {mix['append_tokens']} tokens "
+              f"in one call ({mix['append_s']:.2f} s, {mix['deltas_during_append']} of A's deltas during it"
+              f"{'' if mix['stream_outlived_append'] else '; A ended before the append was in'})")
+        print(f"  A's inter-token latency p50 {common.fmt(mix['itl_p50_ms'], 0, 2)} ms, "
+              f"p99 {common.fmt(mix['itl_p99_ms'], 0, 2)} ms, max {common.fmt(mix['itl_max_ms'], 0, 2)} ms, "
+              f"p99/p50 {common.fmt(mix['p99_over_p50'], 0, 2)} (target <= {TARGET_MIXED:g}); "
+              f"p50 before/during/after the append {common.fmt(mix['before_p50_ms'], 0, 2)} / "
+              f"{common.fmt(mix['during_p50_ms'], 0, 2)} / {common.fmt(mix['after_p50_ms'], 0, 2)} ms, "
+              f"during p99 {common.fmt(mix['during_p99_ms'], 0, 2)} ms")
+    print(json.dumps(common.rounded({
+        "bench": "serve", "model": llm.loaded.source.name, "dtype": str(llm.loaded.model.dtype),
+        "device": str(llm.loaded.model.device), "threads": torch.get_num_threads(), "tokens": args.tokens,
+        "repeats": args.repeats, "ours": rows, "transformers": hf, "mixed": mix, **ratios,
+        "targets": {"ours_vs_hf_sequential": TARGET_SEQUENTIAL, "ours_vs_hf_padded": TARGET_PADDED,
+                    "mixed_p99_over_p50": TARGET_MIXED}})))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Tests for the command line and settings: bad input gets one clear line, never a traceback."""
+
+import json
+
+import pytest
+
+from streamchat import settings
+from streamchat.cli import main
+from streamchat.config import ConfigError
+
+
+def run(argv, capsys):
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", ""], "the prompt is empty"),
+    (["generate", "hi", "--model", "/no/such/model"], "model path does not exist: /no/such/model"),
+    (["generate", "hi", "--window-tokens", "-3"], "window_tokens must be a positive integer, got -3"),
+    (["generate", "hi", "--sink-tokens", "0"], "sink_tokens must be a positive integer, got 0"),
+    (["generate", "hi", "--window-tokens", "16"], "window_tokens (16) must hold at least two blocks"),
+    (["generate", "hi", "--block-size", "12"], "block_size must be a power of two"),
+    (["generate", "hi", "--dtype", "float8"], "dtype must be one of auto, float32, bfloat16, float16"),
+    (["generate", "hi", "--num-blocks", "abc"], "--num-blocks: cannot read 'abc' as int"),
+    (["generate", "hi", "--max-tokens", "0"], "--max-tokens must be positive"),
+    (["generate", "hi", "--temperature", "5"], "temperature must be in [0, 2]"),
+    (["generate", "hi", "--num-blocks", "8"], "KV pool has only 7"),
+    (["serve", "--port", "70000"], "port must be 0..65535"),
+    (["serve", "--config", "/no/file.toml"], "cannot read config file /no/file.toml"),
+])
+def test_bad_input_is_one_clear_line(argv, message, capsys):
+    """Each bad flag or value exits non-zero with the reason, no traceback."""
+    code, err = run(argv, capsys)
+    assert code in (1, 2)
+    assert message in err and "Traceback" not in err
+
+
+def test_non_llama_checkpoint_is_refused(tmp_path, capsys):
+    """A folder holding another architecture names what it holds and what is supported."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    code, err = run(["generate", "hi", "--model", str(tmp_path)], capsys)
+    assert code == 1 and "holds a 'gpt2' model; supported: llama, mistral, qwen2" in err
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path, capsys):
+    """--model pointing at some other file says what it expects."""
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0")
+    code, err = run(["generate", "hi", "--model", str(f)], capsys)
+    assert code == 1 and "is a file but not a .gguf" in err
+
+
+def test_unknown_flag_is_argparse_error(capsys):
+    """An unknown flag is refused by the parser with exit code 2."""
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--no-such-flag"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_precedence_flag_over_env_over_toml(tmp_path):
+    """Flags win over STREAMCHAT_* variables, which win over the TOML file."""
+    toml = tmp_path / "s.toml"
+    toml.write_text('[server]\nport = 1111\nhost = "0.0.0.0"\n[cache]\nwindow_tokens = 512\n')
+    import argparse
+
+    p = argparse.ArgumentParser()
+    settings.add_flags(p)
+    args = p.parse_args(["--config", str(toml), "--port", "3333"])
+    cfg = settings.load(args, {"STREAMCHAT_PORT": "2222", "STREAMCHAT_WINDOW_TOKENS": "1024"})
+    assert (cfg.server.port, cfg.server.host, cfg.cache.window_tokens) == (3333, "0.0.0.0", 1024)
+    args = p.parse_args(["--config", str(toml)])
+    assert settings.load(args, {"STREAMCHAT_PORT": "2222"}).server.port == 2222
+    assert settings.load(args, {}).server.port == 1111
+    cfg = settings.load(p.parse_args([]), {"STREAMCHAT_ALLOWED_ORIGINS": "http://a, http://b"})
+    assert cfg.server.allowed_origins == ("http://a", "http://b")
+
+
+def test_bad_toml_is_a_config_error(tmp_path):
+    """Invalid TOML and unknown sections are refused by name."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        settings.load(None, {"STREAMCHAT_CONFIG": str(bad)})
+    bad.write_text("[servr]\nport = 1\n")
+    with pytest.raises(ConfigError, match="unknown sections"):
+        settings.load(None, {"STREAMCHAT_CONFIG": str(bad)})
+
+
+def test_generate_prints_a_reply(capsys):
+    """`streamchat generate` prints the model's reply on stdout."""
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "12", "--dtype", "float32"]) == 0
+    assert "Paris" in capsys.readouterr().out
