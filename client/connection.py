@@ -101,19 +101,21 @@ class Connection:
         """The next server event."""
         return await _recv_event(self._ws, self.endpoint.url)
 
-    async def request(self, type_: str, expect: str | tuple[str, ...], **fields: object) -> dict:
+    async def request(self, type_: str, expect: str | tuple[str, ...],
+                      timeout_s: float | None = None, **fields: object) -> dict:
         """Sends an event and returns the first event of a type in `expect`.
 
         An `error` about this event raises; `overloaded` is retried with
         backoff (`self.retry`) first. Other events that arrive meanwhile are
-        skipped.
+        skipped. The answer is awaited `timeout_s` (default
+        `endpoint.reply_timeout_s`).
         """
         delays = self.retry.delays()
         started = time.monotonic()
         for attempt in itertools.count(1):
             event_id = await self.send(type_, **fields)
             try:
-                return await self._wait_for(expect, event_id)
+                return await self._wait_for(expect, event_id, timeout_s)
             except Overloaded as exc:
                 delay = next(delays, None)
                 if delay is None:
@@ -122,9 +124,10 @@ class Connection:
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def _wait_for(self, expect: str | tuple[str, ...], event_id: str) -> dict:
+    async def _wait_for(self, expect: str | tuple[str, ...], event_id: str,
+                        timeout_s: float | None = None) -> dict:
         wanted = (expect,) if isinstance(expect, str) else expect
-        deadline = self.endpoint.reply_timeout_s
+        deadline = self.endpoint.reply_timeout_s if timeout_s is None else timeout_s
         try:
             return await asyncio.wait_for(self._first_of(wanted, event_id), deadline)
         except asyncio.TimeoutError:

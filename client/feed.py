@@ -1,12 +1,15 @@
 """`streamchat feed`: streams a text source into a session as it arrives.
 
-Each line is sent with `streamchat.input_text.append` (waiting for its
-`appended` answer, which keeps lines in order and paces the feed); a blank
-line, or `commit_idle_s` without input, closes the open item with
-`streamchat.input_text.commit`. Progress goes to stderr; with `ask`, a
-question is asked at the end and the answer printed on stdout. A new
-session's id is printed on stdout first and recorded in the session file, so
-`chat` can `/resume` it. Knows nothing of prompts.
+Lines are sent with `streamchat.input_text.append`, waiting for each
+`appended` answer (which keeps the text in order and paces the feed). Lines
+that have already arrived when an append is sent go into that one append, up
+to `max_append_chars`, so a file is fed in large pieces while a live source
+is still sent line by line as it comes. A blank line, or `commit_idle_s`
+without input, closes the open item with `streamchat.input_text.commit`.
+Progress goes to stderr; with `ask`, a question is asked at the end and the
+answer printed on stdout. A new session's id is printed on stdout first and
+recorded in the session file, so `chat` can `/resume` it. Knows nothing of
+prompts.
 """
 
 from __future__ import annotations
@@ -20,13 +23,17 @@ from typing import IO, TextIO
 
 from .chat import user_message
 from .connection import Connection, Endpoint, RetryPolicy, open_connection
-from .errors import ClientError, ConnectionLost, DaemonNotRunning
+from .errors import ClientError, ConnectionLost, DaemonNotRunning, ServerError
 from .lines import LineSource
 from .render import PlainRenderer
 from .reply import Renderer, stream_reply
 from .sessions import SavedSession, SessionStore
 
 log = logging.getLogger(__name__)
+
+# About 2,000 tokens: well under the daemon's default text (200,000 characters)
+# and frame (1 MiB) limits; an append the daemon finds too large is split.
+MAX_APPEND_CHARS = 8000
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,8 @@ class FeedConfig:
     ask: str | None = None
     options: dict = field(default_factory=dict)  # response.create options for ask
     quiet: bool = False
+    max_append_chars: int = MAX_APPEND_CHARS  # lines already read are sent together up to this
+    commit_timeout_s: float = 600.0  # a commit waits for the daemon to prefill the whole item
     retry: RetryPolicy = RetryPolicy()
     reconnect: RetryPolicy = RetryPolicy(attempts=8)
 
@@ -57,9 +66,10 @@ class FeedProgress:
         self.context_tokens: int | None = None
         self.evicted_tokens: int | None = None
         self._drawn = 0.0
+        self._shown = ""
 
-    def appended(self, event: dict) -> None:
-        self.lines += 1
+    def appended(self, event: dict, lines: int = 1) -> None:
+        self.lines += lines
         self.tokens += int(event.get("tokens") or 0)
         self.context_tokens = event.get("context_tokens", self.context_tokens)
         if self.live and time.monotonic() - self._drawn > 0.1:
@@ -74,7 +84,8 @@ class FeedProgress:
         self._draw()
 
     def finish(self) -> None:
-        self._draw()
+        if self.live or self.text() != self._shown:
+            self._draw()
         if self.live and not self.quiet:
             self.out.write("\n")
             self.out.flush()
@@ -89,6 +100,7 @@ class FeedProgress:
         if self.quiet:
             return
         self._drawn = time.monotonic()
+        self._shown = self.text()
         self.out.write(("\r\x1b[K" + self.text()) if self.live else self.text() + "\n")
         self.out.flush()
 
@@ -116,30 +128,63 @@ class Feeder:
             if line is None:
                 break
             if line.strip():
-                event = await self.call("streamchat.input_text.append",
-                                        "streamchat.input_text.appended", text=line)
-                self.progress.appended(event)
-                self.open_item = True
+                await self.append(self._batch(line, source))
             else:
                 await self.commit()
         await self.commit()
 
+    def _batch(self, first: str, source: LineSource) -> list[str]:
+        """`first` and the non-blank lines that have already arrived, up to the size limit."""
+        lines, size = [first], len(first)
+        while True:
+            try:
+                line = source.get_nowait()
+            except asyncio.QueueEmpty:
+                return lines
+            if line is None or not line.strip() or size + len(line) > self.config.max_append_chars:
+                source.unget(line)
+                return lines
+            lines.append(line)
+            size += len(line)
+
+    async def append(self, lines: list[str]) -> None:
+        """Sends `lines` as one append (or, if the daemon finds that too large, several)."""
+        events = await self._append_text("".join(lines))
+        tokens = sum(int(event.get("tokens") or 0) for event in events)
+        self.progress.appended({**events[-1], "tokens": tokens}, len(lines))
+
+    async def _append_text(self, text: str) -> list[dict]:
+        try:
+            event = await self.call("streamchat.input_text.append",
+                                    "streamchat.input_text.appended", text=text)
+        except ServerError as exc:
+            if exc.code != "message_too_large" or len(text) < 2:
+                raise
+            # Nothing was appended: send it in two halves, cut at a line break if there is one.
+            cut = text.rfind("\n", 0, len(text) // 2) + 1 or len(text) // 2
+            log.info("an append of %d characters was too large; splitting it", len(text))
+            return [*await self._append_text(text[:cut]), *await self._append_text(text[cut:])]
+        self.open_item = True
+        return [event]
+
     async def commit(self) -> None:
         if not self.open_item:
             return
-        await self.call("streamchat.input_text.commit", "conversation.item.done")
+        await self.call("streamchat.input_text.commit", "conversation.item.done",
+                        timeout_s=self.config.commit_timeout_s)
         self.open_item = False
         self.progress.committed()
         self.progress.stats(await self.call("streamchat.session.stats", "streamchat.session.stats"))
 
-    async def call(self, type_: str, expect: str, **fields: object) -> dict:
+    async def call(self, type_: str, expect: str, timeout_s: float | None = None,
+                   **fields: object) -> dict:
         """A request; after a lost connection, reconnects (resuming) and sends it again."""
         try:
-            return await self.conn.request(type_, expect, **fields)
+            return await self.conn.request(type_, expect, timeout_s=timeout_s, **fields)
         except ConnectionLost as exc:
             log.info("%s; reconnecting", exc)
             await self._reconnect()
-            return await self.conn.request(type_, expect, **fields)
+            return await self.conn.request(type_, expect, timeout_s=timeout_s, **fields)
 
     async def _reconnect(self) -> None:
         last: ClientError | None = None

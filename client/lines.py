@@ -11,6 +11,8 @@ import asyncio
 import threading
 from typing import IO
 
+_NOTHING = object()
+
 
 class LineSource:
     """Reads `stream` line by line on a thread; `get()` awaits the next line."""
@@ -19,6 +21,7 @@ class LineSource:
         self._stream = stream
         self._queue: asyncio.Queue[str | None] = asyncio.Queue()
         self._thread: threading.Thread | None = None
+        self._back: object = _NOTHING  # a line handed back with unget()
 
     def start(self) -> "LineSource":
         loop = asyncio.get_running_loop()
@@ -29,9 +32,24 @@ class LineSource:
 
     async def get(self) -> str | None:
         """The next line, or None at the end of the stream."""
+        if self._back is not _NOTHING:
+            line, self._back = self._back, _NOTHING
+            return line  # type: ignore[return-value]
         if self._thread is None:
             self.start()
         return await self._queue.get()
+
+    def get_nowait(self) -> str | None:
+        """A line that has already arrived (None: the end); raises asyncio.QueueEmpty if none."""
+        if self._back is not _NOTHING:
+            line, self._back = self._back, _NOTHING
+            return line  # type: ignore[return-value]
+        return self._queue.get_nowait()
+
+    def unget(self, line: str | None) -> None:
+        """Hands back one line taken with get_nowait(); the next get returns it."""
+        assert self._back is _NOTHING, "one line at most"
+        self._back = line
 
     def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
         try:

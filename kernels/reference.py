@@ -9,7 +9,7 @@ Layouts (every function here shares them with its kernel in this package):
                              the ones written this step included
     cos, sin               : (max_pos, head_dim) float32, rotate-half layout
                              (the halves repeat), indexed by cache position
-    k_scale, v_scale       : None for an unquantized pool
+    k_scale, v_scale       : None for an unquantized pool; else its scales (see quant.py)
 
 A key at table index i, offset o has cache position p = i * block_size + o
 and is rotated by p when attended: positions are cache positions, so
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from streamchat.kernels import quant
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -36,28 +38,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """(num_blocks, block_size, ...) -> (num_blocks * block_size, ...)."""
+    return t.view(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
-             value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter key/value (T, num_kv_heads, head_dim) into their slots (T,) of the pool."""
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = key
-    value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = value
+             value: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Scatter key/value (T, num_kv_heads, head_dim) into their slots (T,) of the pool.
+
+    A quantized pool (scales given) stores them in its format (see quant.py).
+    """
+    if k_scale is None:
+        _flat(key_cache)[slot_mapping] = key
+        _flat(value_cache)[slot_mapping] = value
+        return
+    for x, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        stored, scales = quant.quantize(x, cache.dtype)
+        _flat(cache)[slot_mapping] = stored
+        _flat(scale)[slot_mapping] = scales
 
 
 def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              cos: torch.Tensor, sin: torch.Tensor, k_scale: torch.Tensor | None = None,
+              v_scale: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys (rotated by cache position) and values of padded tables: (B, L, KVH, D) each."""
     num_seqs, max_blocks = block_tables.shape
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     length = max_blocks * block_size
-    k = key_cache[block_tables].view(num_seqs, length, num_kv_heads, head_dim)
-    v = value_cache[block_tables].view(num_seqs, length, num_kv_heads, head_dim)
+    k = key_cache[block_tables].view(num_seqs, length, num_kv_heads, -1)
+    v = value_cache[block_tables].view(num_seqs, length, num_kv_heads, -1)
+    if k_scale is not None:
+        ks = k_scale[block_tables].view(num_seqs, length, *k_scale.shape[2:])
+        vs = v_scale[block_tables].view(num_seqs, length, *v_scale.shape[2:])
+        k, v = quant.dequantize(k, ks, dtype), quant.dequantize(v, vs, dtype)
     return apply_rope(k, cos[:length], sin[:length]), v
 
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           cos: torch.Tensor, sin: torch.Tensor, scale: float) -> torch.Tensor:
+                           cos: torch.Tensor, sin: torch.Tensor, scale: float,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence: q (B, H, D) -> out (B, H, D).
 
     Grouped-query heads share their KV head: q is viewed as (B, KVH, G, D) so
@@ -66,7 +90,7 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    k, v = gather_kv(key_cache, value_cache, block_tables, cos, sin)  # (B, L, KVH, D)
+    k, v = gather_kv(key_cache, value_cache, block_tables, cos, sin, k_scale, v_scale, q.dtype)  # (B, L, KVH, D)
     length = k.shape[1]
     mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None].long()  # (B, L)
     qg = q.view(num_seqs, num_kv_heads, group, head_dim)  # (B, KVH, G, D)
@@ -79,7 +103,8 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
 def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+                            scale: float, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen chunks: q (T, H, D), sequence b's queries at q[cu[b]:cu[b+1]] -> out (T, H, D).
 
     Query i of a chunk of n sits at cache position seq_len - n + i and attends,
@@ -97,7 +122,8 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
         if n == 0:
             continue
         num_blocks = -(-kv_len // block_size)
-        k, v = gather_kv(key_cache, value_cache, block_tables[b:b + 1, :num_blocks], cos, sin)
+        k, v = gather_kv(key_cache, value_cache, block_tables[b:b + 1, :num_blocks], cos, sin,
+                         k_scale, v_scale, q.dtype)
         k, v = k[0, :kv_len].transpose(0, 1), v[0, :kv_len].transpose(0, 1)  # (KVH, L, D)
         q_pos = torch.arange(kv_len - n, kv_len, device=q.device)
         mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]  # (n, L)

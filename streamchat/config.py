@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_DTYPES = ("auto",)
+KV_DTYPES = ("auto", "int8", "fp8", "int4")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 

@@ -42,7 +42,8 @@ class Engine:
         self.chat = ChatFormat(self.tokenizer)
         self.cache_cfg = cache
         self.pool = BlockPool(runner.num_blocks)
-        extra = f"{runner.loaded.source.fingerprint}:{runner.kv_dtype}:{cache.block_size}".encode()
+        extra = (f"{runner.loaded.source.fingerprint}:{runner.model.dtype}:{runner.kv_dtype}:"
+                 f"{cache.block_size}").encode()
         self.manager = KVCacheManager(self.pool, cache.block_size, cache.sink_tokens,
                                       cache.window_tokens, extra, cache.prefix_sharing)
         if cache.max_blocks_per_session() > self.pool.num_usable:

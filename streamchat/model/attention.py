@@ -8,6 +8,7 @@ pure-torch reference (CPU, and the oracle) and the Triton kernels (CUDA).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +32,16 @@ class PrefillGroup:
     seq_lens: torch.Tensor  # (Bp,) int32
 
 
+class LayerKV(NamedTuple):
+    """One layer's pool: (num_blocks, block_size, kv_heads, head_dim) key and value blocks,
+    and their scales when the storage is quantized (None otherwise)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
 @dataclass
 class AttentionMetadata:
     """Decode rows come first in the flat batch, then the prefill chunks."""
@@ -45,17 +56,19 @@ class TorchBackend:
 
     name = "torch"
 
-    def write(self, key_cache, value_cache, key, value, slot_mapping) -> None:
-        reference.write_kv(key_cache, value_cache, key, value, slot_mapping)
+    def write(self, key_cache, value_cache, key, value, slot_mapping, k_scale=None, v_scale=None) -> None:
+        reference.write_kv(key_cache, value_cache, key, value, slot_mapping, k_scale, v_scale)
 
-    def decode(self, q, key_cache, value_cache, group: DecodeGroup, cos, sin, scale):
+    def decode(self, q, key_cache, value_cache, group: DecodeGroup, cos, sin, scale,
+               k_scale=None, v_scale=None):
         return reference.paged_decode_attention(
-            q, key_cache, value_cache, group.block_tables, group.seq_lens, cos, sin, scale)
+            q, key_cache, value_cache, group.block_tables, group.seq_lens, cos, sin, scale, k_scale, v_scale)
 
-    def prefill(self, q, key_cache, value_cache, group: PrefillGroup, cos, sin, scale):
+    def prefill(self, q, key_cache, value_cache, group: PrefillGroup, cos, sin, scale,
+                k_scale=None, v_scale=None):
         return reference.paged_prefill_attention(
             q, key_cache, value_cache, group.block_tables, group.seq_lens,
-            group.cu_seqlens_q, cos, sin, scale)
+            group.cu_seqlens_q, cos, sin, scale, k_scale, v_scale)
 
 
 def make_backend(name: str, device: torch.device):
@@ -71,15 +84,15 @@ def make_backend(name: str, device: torch.device):
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
 
 
-def attend(backend, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-           meta: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, scale: float) -> torch.Tensor:
+def attend(backend, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, cos: torch.Tensor,
+           sin: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention for a flat batch q (T, H, D): decode rows, then prefill chunks."""
     parts = []
+    scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}
+    num_decode = 0
     if meta.decode is not None:
         num_decode = meta.decode.seq_lens.shape[0]
-        parts.append(backend.decode(q[:num_decode], key_cache, value_cache, meta.decode, cos, sin, scale))
-    else:
-        num_decode = 0
+        parts.append(backend.decode(q[:num_decode], kv.key, kv.value, meta.decode, cos, sin, scale, **scales))
     if meta.prefill is not None:
-        parts.append(backend.prefill(q[num_decode:], key_cache, value_cache, meta.prefill, cos, sin, scale))
+        parts.append(backend.prefill(q[num_decode:], kv.key, kv.value, meta.prefill, cos, sin, scale, **scales))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

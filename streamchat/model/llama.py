@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from streamchat.model.attention import AttentionMetadata, attend
+from streamchat.model.attention import AttentionMetadata, LayerKV, attend
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                kv_caches: list[LayerKV],
                 logits_idx: torch.Tensor | None) -> torch.Tensor | None:
         """input_ids, positions (T,) -> float32 logits (N, vocab) for the rows in logits_idx."""
         s = self.shape
@@ -118,7 +118,7 @@ class LlamaModel:
         sin = sin_table[positions].to(self.dtype)[:, None, :]
         h = self.embed[input_ids]  # (T, hidden)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+        for layer, kv in zip(self.layers, kv_caches):
             x = self.rms_norm(h, layer.input_norm)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -126,8 +126,8 @@ class LlamaModel:
             q = q * cos + _rotate_half(q) * sin
             k = k.view(-1, s.num_kv_heads, s.head_dim)  # (T, KVH, D), stored before rotation
             v = v.view(-1, s.num_kv_heads, s.head_dim)
-            self.backend.write(key_cache, value_cache, k, v, meta.slot_mapping)
-            o = attend(self.backend, q, key_cache, value_cache, meta, cos_table, sin_table, self.scale)
+            self.backend.write(kv.key, kv.value, k, v, meta.slot_mapping, k_scale=kv.k_scale, v_scale=kv.v_scale)
+            o = attend(self.backend, q, kv, meta, cos_table, sin_table, self.scale)
             h = h + F.linear(o.reshape(-1, q_size), layer.o)
             x = self.rms_norm(h, layer.post_norm)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
@@ -137,9 +137,6 @@ class LlamaModel:
         h = self.rms_norm(h[logits_idx], self.final_norm)
         return F.linear(h, self.lm_head).float()
 
-    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
-        s = self.shape
-        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.tensor([], dtype=kv_dtype).element_size()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from streamchat.config import CacheConfig, ModelConfig
+from streamchat.config import CacheConfig, ConfigError, ModelConfig
 from streamchat.engine.batch import StepBatch
-from streamchat.model.attention import AttentionMetadata, DecodeGroup, PrefillGroup, make_backend
+from streamchat.kernels import quant
+from streamchat.model.attention import AttentionMetadata, DecodeGroup, LayerKV, PrefillGroup, make_backend
 from streamchat.model.llama import LlamaModel, load_state
 from streamchat.model.loader import ModelLoadError, ModelSource, resolve
 
@@ -91,14 +92,28 @@ class ModelRunner:
         self.model = loaded.model
         s = self.model.shape
         self.block_size = cache.block_size
-        self.kv_dtype = self.model.dtype
-        self.bytes_per_token = self.model.kv_bytes_per_token(self.kv_dtype)
+        self.kv_dtype = cache.kv_dtype  # a name: auto, int8, fp8, int4
+        if cache.kv_dtype == "int4" and self.model.backend.name != "torch":
+            raise ConfigError("--kv-dtype int4 runs on the torch attention backend only")
+        self.bytes_per_token = quant.bytes_per_token(cache.kv_dtype, self.model.dtype, s.num_layers,
+                                                     s.num_kv_heads, s.head_dim)
         self.num_blocks = num_blocks_for(cache, self.bytes_per_token)
-        shape = (self.num_blocks, cache.block_size, s.num_kv_heads, s.head_dim)
-        dev = self.model.device
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=dev),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=dev))
-                          for _ in range(s.num_layers)]
+        self.kv_caches = [self._layer_pool(cache.kv_dtype) for _ in range(s.num_layers)]
+
+    def _layer_pool(self, kv_dtype: str) -> LayerKV:
+        s, dev = self.model.shape, self.model.device
+        lead = (self.num_blocks, self.block_size, s.num_kv_heads)
+        if kv_dtype == "auto":
+            return LayerKV(torch.zeros(*lead, s.head_dim, dtype=self.model.dtype, device=dev),
+                           torch.zeros(*lead, s.head_dim, dtype=self.model.dtype, device=dev))
+        storage = quant.STORAGE[kv_dtype]
+        width = quant.storage_head_dim(kv_dtype, s.head_dim)
+        scale_dtype = torch.float16 if kv_dtype == "int4" else torch.float32
+        scale_shape = (*lead, *quant.scale_shape(kv_dtype, s.head_dim))
+        return LayerKV(torch.zeros(*lead, width, dtype=storage, device=dev),
+                       torch.zeros(*lead, width, dtype=storage, device=dev),
+                       torch.ones(scale_shape, dtype=scale_dtype, device=dev),
+                       torch.ones(scale_shape, dtype=scale_dtype, device=dev))
 
     @property
     def bytes_per_block(self) -> int:

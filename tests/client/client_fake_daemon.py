@@ -32,7 +32,8 @@ class FakeDaemon:
     def __init__(self, *, reply: list[str] | None = None, api_key: str | None = None,
                  delta_delay_s: float = 0.0, overloaded_responses: int = 0,
                  overloaded_connects: int = 0, drop_after_deltas: int | None = None,
-                 drop_at_append: int | None = None, http_503_connects: int = 0) -> None:
+                 drop_at_append: int | None = None, http_503_connects: int = 0,
+                 max_text_chars: int | None = None) -> None:
         self.reply = reply if reply is not None else ["Hel", "lo", ", wor", "ld"]
         self.api_key = api_key
         self.delta_delay_s = delta_delay_s
@@ -42,6 +43,7 @@ class FakeDaemon:
         self.drop_at_append = drop_at_append  # close instead of acking the n-th append (1-based), once
         self.appends = 0
         self.http_503_connects = http_503_connects
+        self.max_text_chars = max_text_chars  # a longer append gets message_too_large
         self.received: list[dict] = []
         self.auth_headers: list[str | None] = []
         self.sessions: dict[str, FakeSession] = {}
@@ -128,6 +130,9 @@ class FakeDaemon:
             if self.appends == self.drop_at_append:
                 self.drop_at_append = None
                 await ws.close(1011, "simulated crash")
+                return
+            if self.max_text_chars is not None and len(event["text"]) > self.max_text_chars:
+                await self._send(ws, "error", error=_error("message_too_large", "text too long", eid))
                 return
             self.sessions.setdefault(session.id, session)
             tokens = len(event["text"].split())

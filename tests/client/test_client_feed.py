@@ -36,14 +36,15 @@ def run(coro):
 
 
 def test_file_lines_are_appended_and_committed_at_blank_lines(tmp_path):
-    """Each line of a file is one append (line break kept); blank lines and the end commit, then stats."""
+    """With appends of one line, each line (break kept) is one append; blank lines and the end commit, then stats."""
     source = tmp_path / "meeting.txt"
     source.write_text(TEXT)
     store = SessionStore(tmp_path / "sessions.json")
 
     async def main():
         async with FakeDaemon() as daemon:
-            return await feed(feed_config(daemon, source=str(source)), store), daemon.received
+            config = feed_config(daemon, source=str(source), max_append_chars=1)
+            return await feed(config, store), daemon.received
 
     (rc, out, err), received = run(main())
     assert rc == 0 and out == "sess_1\n"
@@ -59,10 +60,50 @@ def test_file_lines_are_appended_and_committed_at_blank_lines(tmp_path):
     assert err.splitlines() == [
         "fed 2 lines, 6 tokens, 1 items · context 6 tokens · evicted 100",
         "fed 3 lines, 8 tokens, 2 items · context 8 tokens · evicted 100",
-        "fed 3 lines, 8 tokens, 2 items · context 8 tokens · evicted 100",
     ]
     [saved] = store.load()
     assert (saved.id, saved.resume_token) == ("sess_1", "tok_1")
+
+
+def test_lines_already_read_are_batched_into_large_appends(tmp_path):
+    """Lines that have arrived go into one append up to max_append_chars; blank lines still commit."""
+    lines = [f"line {i} of the minutes\n" for i in range(200)]
+    text = "".join(lines[:120]) + "\n" + "".join(lines[120:])
+    source = tmp_path / "minutes.txt"
+    source.write_text(text)
+
+    async def main():
+        async with FakeDaemon() as daemon:
+            config = feed_config(daemon, source=str(source), max_append_chars=500)
+            result = await feed(config, SessionStore(tmp_path / "s"))
+            return result, daemon.received
+
+    (rc, _, err), received = run(main())
+    assert rc == 0
+    appends = [e["text"] for e in received if e["type"] == "streamchat.input_text.append"]
+    assert "".join(appends) == text.replace("\n\n", "\n")
+    assert all(len(a) <= 500 and a.endswith("\n") for a in appends)
+    assert len(appends) < 40  # about 4,700 characters in pieces of up to 500, not 200 lines
+    commits = [i for i, e in enumerate(received) if e["type"] == "streamchat.input_text.commit"]
+    assert len(commits) == 2
+    assert "".join(e.get("text", "") for e in received[:commits[0]]) == "".join(lines[:120])
+    assert err.splitlines()[-1].startswith("fed 200 lines, 1,000 tokens, 2 items")
+
+
+def test_too_large_append_is_split_in_halves(tmp_path):
+    """An append the daemon answers message_too_large is sent again in halves, cut at line breaks if it can."""
+    async def main(text):
+        async with FakeDaemon(max_text_chars=12) as daemon:
+            config = feed_config(daemon, quiet=True, max_append_chars=1000)
+            result = await feed(config, SessionStore(tmp_path / "s"), stdin=io.StringIO(text))
+            return result, [e["text"] for e in daemon.received
+                            if e["type"] == "streamchat.input_text.append" and len(e["text"]) <= 12]
+
+    (rc, _, _), accepted = run(main("aaaa bbbb cccc dddd eeee\n"))
+    assert rc == 0 and accepted == ["aaaa bbbb cc", "cc ddd", "d eeee\n"]
+    (rc, _, err), accepted = run(main("ab\n" * 20))
+    assert rc == 0 and "".join(accepted) == "ab\n" * 20
+    assert all(a.endswith("\n") for a in accepted)
 
 
 def test_system_is_set_before_the_text(tmp_path):
@@ -185,8 +226,8 @@ def test_lost_connection_is_resumed_and_the_line_sent_again(tmp_path):
     """If the socket drops before an append is acknowledged, feed resumes the session and resends it."""
     async def main():
         async with FakeDaemon(drop_at_append=2) as daemon:
-            result = await feed(feed_config(daemon, quiet=True), SessionStore(tmp_path / "s"),
-                                stdin=io.StringIO("one\ntwo\nthree\n"))
+            result = await feed(feed_config(daemon, quiet=True, max_append_chars=1),
+                                SessionStore(tmp_path / "s"), stdin=io.StringIO("one\ntwo\nthree\n"))
             return result, daemon.received
 
     (rc, _, _), received = run(main())

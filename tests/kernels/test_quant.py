@@ -1,0 +1,85 @@
+"""Tests for quantized KV storage: round-trip bounds, attention tolerance, pool capacity arithmetic."""
+
+import pytest
+import torch
+
+from streamchat.config import CacheConfig, ConfigError
+from streamchat.kernels import quant, reference
+
+STORAGES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}
+
+
+def keys(n=64, heads=3, dim=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, heads, dim, generator=g)
+    x[:, :, 5] *= 4  # a per-channel outlier, as pre-rotation keys have
+    return x
+
+
+@pytest.mark.parametrize("kv_dtype,bound", [("int8", 0.5 / 127), ("fp8", 1 / 16), ("int4", 0.5 / 7)])
+def test_round_trip_error_is_within_the_format_bound(kv_dtype, bound):
+    """|x - dequant(quant(x))| <= bound * max|x| of its row (int8/fp8) or group of 32 (int4)."""
+    x = keys()
+    q, scale = quant.quantize(x, STORAGES[kv_dtype])
+    back = quant.dequantize(q, scale, torch.float32)
+    if kv_dtype == "int4":
+        ref = x.view(64, 3, 2, 32).abs().amax(-1, keepdim=True).expand(64, 3, 2, 32).reshape(64, 3, 64)
+        assert q.shape == (64, 3, 32) and scale.shape == (64, 3, 2) and scale.dtype == torch.float16
+        bound += 1e-3  # the float16 scale itself rounds
+    else:
+        ref = x.abs().amax(-1, keepdim=True)
+        assert q.shape == x.shape and scale.shape == (64, 3)
+    assert ((back - x).abs() <= bound * ref + 1e-6).all()
+
+
+def test_zero_rows_round_trip_exactly():
+    """An all-zero row gets scale 1 and comes back as zeros."""
+    for storage in STORAGES.values():
+        q, scale = quant.quantize(torch.zeros(2, 1, 64), storage)
+        assert torch.equal(quant.dequantize(q, scale, torch.float32), torch.zeros(2, 1, 64))
+
+
+@pytest.mark.parametrize("kv_dtype,tol", [("int8", 0.02), ("fp8", 0.08), ("int4", 0.2)])
+def test_attention_over_a_quantized_pool_is_close_to_unquantized(kv_dtype, tol):
+    """Decode attention over int8 (fp8, int4) storage stays within `tol` of the float pool."""
+    torch.manual_seed(0)
+    nb, bs, kvh, d, h = 12, 16, 3, 64, 9
+    k, v = keys(nb * bs, kvh, d, 1), keys(nb * bs, kvh, d, 2)
+    slots = torch.arange(nb * bs)
+    fk, fv = torch.zeros(nb, bs, kvh, d), torch.zeros(nb, bs, kvh, d)
+    reference.write_kv(fk, fv, k, v, slots)
+    storage = STORAGES[kv_dtype]
+    width = quant.storage_head_dim(kv_dtype, d)
+    qk, qv = torch.zeros(nb, bs, kvh, width, dtype=storage), torch.zeros(nb, bs, kvh, width, dtype=storage)
+    sshape = (nb, bs, kvh, *quant.scale_shape(kv_dtype, d))
+    sdt = torch.float16 if kv_dtype == "int4" else torch.float32
+    ks, vs = torch.ones(sshape, dtype=sdt), torch.ones(sshape, dtype=sdt)
+    reference.write_kv(qk, qv, k, v, slots, ks, vs)
+    q = torch.randn(2, h, d) * 0.3  # scores of the spread real models show, not one-hot softmax
+    tables = torch.tensor([[0, 3, 5, 7, 9, 11], [1, 2, 4, 6, 8, 10]], dtype=torch.int32)
+    lens = torch.tensor([90, 96], dtype=torch.int32)
+    t = torch.arange(512, dtype=torch.float32)
+    freqs = torch.outer(t, 1.0 / (10000 ** (torch.arange(0, d, 2) / d)))
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    want = reference.paged_decode_attention(q, fk, fv, tables, lens, cos, sin, d ** -0.5)
+    got = reference.paged_decode_attention(q, qk, qv, tables, lens, cos, sin, d ** -0.5, ks, vs)
+    err = (got - want).abs().max().item()
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("kv_dtype,per_head", [("auto", 128), ("int8", 68), ("fp8", 68), ("int4", 36)])
+def test_bytes_per_token_and_pool_capacity_are_exact(kv_dtype, per_head):
+    """SmolLM2 shape (30 layers, 3 KV heads, dim 64, bf16): bytes per token and blocks in 1 GiB."""
+    from streamchat.model.runner import num_blocks_for
+
+    per_token = quant.bytes_per_token(kv_dtype, torch.bfloat16, 30, 3, 64)
+    assert per_token == 2 * 30 * 3 * per_head
+    blocks = num_blocks_for(CacheConfig(kv_dtype=kv_dtype, kv_memory_gib=1.0), per_token)
+    assert blocks == (1 << 30) // (per_token * 16)
+    assert {"auto": 2912, "int8": 5482, "fp8": 5482, "int4": 10356}[kv_dtype] == blocks
+
+
+def test_bad_kv_dtype_lists_the_choices():
+    """--kv-dtype int3 is refused with the list of choices."""
+    with pytest.raises(ConfigError, match="kv_dtype must be one of auto, int8, fp8, int4; got 'int3'"):
+        CacheConfig(kv_dtype="int3").validate()
