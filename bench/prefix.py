@@ -59,7 +59,7 @@ def make_llm(loaded, model_cfg, num_blocks: int, sharing: bool, args):
     from streamchat.config import CacheConfig, Config
     from streamchat.llm import LLM
 
-    cache = CacheConfig(num_blocks=num_blocks, prefix_sharing=sharing,
+    cache = CacheConfig(num_blocks=num_blocks, prefix_sharing=sharing, kv_dtype=args.kv_dtype,
                         **({"window_tokens": args.window_tokens} if args.window_tokens else {}))
     llm = LLM(Config(model=model_cfg, cache=cache), loaded=loaded)
     common.disable_eos(llm.engine)
@@ -74,7 +74,9 @@ def one_token(llm, sid: str, system: str, question: str) -> tuple[float, dict]:
     eng.add_item(sid, "user", question)
     [reply] = llm.respond([sid], max_tokens=1)
     common.sync(llm.loaded.model.device)
-    return time.perf_counter() - start, reply.usage
+    elapsed = time.perf_counter() - start
+    llm.drain()  # the reply's end-of-turn tokens, so the next measurement starts from an idle engine
+    return elapsed, reply.usage
 
 
 def prompt_blocks(llm, sid: str, num_full: int) -> list[int]:
@@ -129,6 +131,7 @@ def bench_kv(loaded, model_cfg, prompt: str, sharing: bool, args) -> dict:
             eng.open_session(sid, prompt)
             eng.add_item(sid, "user", common.PROMPTS[int(sid.split("-")[1]) % len(common.PROMPTS)])
         llm.respond(group, max_tokens=args.tokens)
+        llm.drain()  # each reply's end-of-turn tokens: every session ends in the same state
     setup_s = time.perf_counter() - start
     used = pool.num_used
     tables = [eng.sessions[sid].seq.block_ids for sid in sids]
@@ -166,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=8, help="reply tokens per session in the KV part (default 8)")
     p.add_argument("--burst", action="store_true", help="KV part: all sessions arrive at once")
     p.add_argument("--window-tokens", type=int, default=0, help="default: CacheConfig's")
+    p.add_argument("--kv-dtype", default="auto", help="KV pool storage: auto (the model's dtype), int8, fp8, int4")
     p.add_argument("--skip-unshared", action="store_true", help="KV part: only the shared pool")
     common.add_model_flags(p)
     args = p.parse_args(argv)
@@ -199,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{common.describe(loaded)}; system prompt {shared['system_tokens']} tokens "
           f"({shared['prompt_full_blocks']} full blocks of {bs})")
     print(f"{'time to first token':36}{'wall ms':>10}{'engine ms':>11}")
-    print(f"{'cold (prompt not in the pool)':36}{common.fmt(ttft['cold_ms'])}{common.fmt(ttft['cold_engine_ttft_ms'], 11)}")
+    print(f"{'cold (prompt not in the pool)':36}{common.fmt(ttft['cold_ms'])}"
+          f"{common.fmt(ttft['cold_engine_ttft_ms'], 11)}")
     print(f"{'shared (second session, same prompt)':36}{common.fmt(ttft['shared_ms'])}"
           f"{common.fmt(ttft['shared_engine_ttft_ms'], 11)}   ratio {common.fmt(ttft['ratio'], 0, 1)}x "
           f"(target >= {TARGET_TTFT:g}); cached tokens {ttft['shared_cached_tokens']}; "
@@ -216,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{common.fmt(shared['prompt_copies'], 0, 2)}, target 1)")
     print(json.dumps(common.rounded({
         "bench": "prefix", "model": loaded.source.name, "dtype": str(loaded.model.dtype),
-        "device": str(loaded.model.device), "prompt_tokens": args.prompt_tokens, "burst": args.burst,
+        "device": str(loaded.model.device), "kv_dtype": args.kv_dtype, "prompt_tokens": args.prompt_tokens,
+        "burst": args.burst,
         "ttft": ttft, "kv": kv, "ttft_cold_over_shared": ttft["ratio"], "kv_bytes_unshared_over_shared": saved,
         "prompt_copies_shared": shared["prompt_copies"],
         "prompt_counted_once": shared["prompt_copies"] == 1.0 if shared["prompt_copies"] is not None else None,

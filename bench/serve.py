@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-tokens", type=int, default=256, help="session A's response length in the mixed case")
     p.add_argument("--mixed-warmup", type=int, default=16, help="A's deltas before B appends")
     p.add_argument("--kv-memory-gib", type=float, default=1.0, help="KV pool size (default 1)")
+    p.add_argument("--kv-dtype", default="auto", help="KV pool storage: auto (the model's dtype), int8, fp8, int4")
     p.add_argument("--max-tokens-per-step", type=int, default=None, help="default: SchedulerConfig's")
     common.add_model_flags(p)
     args = p.parse_args(argv)
@@ -262,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     model_cfg = common.model_config(args)
     sched = SchedulerConfig(**({"max_tokens_per_step": args.max_tokens_per_step}
                                if args.max_tokens_per_step else {}))
-    llm = LLM(Config(model=model_cfg, cache=CacheConfig(kv_memory_gib=args.kv_memory_gib), scheduler=sched))
+    cache = CacheConfig(kv_memory_gib=args.kv_memory_gib, kv_dtype=args.kv_dtype)
+    llm = LLM(Config(model=model_cfg, cache=cache, scheduler=sched))
     args.num_threads_engine = model_cfg.num_threads
     common.disable_eos(llm.engine)
     print(common.describe(llm.loaded), file=sys.stderr, flush=True)
@@ -308,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
               f"during p99 {common.fmt(mix['during_p99_ms'], 0, 2)} ms")
     print(json.dumps(common.rounded({
         "bench": "serve", "model": llm.loaded.source.name, "dtype": str(llm.loaded.model.dtype),
-        "device": str(llm.loaded.model.device), "threads": torch.get_num_threads(), "tokens": args.tokens,
+        "device": str(llm.loaded.model.device), "kv_dtype": args.kv_dtype, "threads": torch.get_num_threads(),
+        "tokens": args.tokens,
         "repeats": args.repeats, "ours": rows, "transformers": hf, "mixed": mix, **ratios,
         "targets": {"ours_vs_hf_sequential": TARGET_SEQUENTIAL, "ours_vs_hf_padded": TARGET_PADDED,
                     "mixed_p99_over_p50": TARGET_MIXED}})))

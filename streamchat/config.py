@@ -87,12 +87,16 @@ class SchedulerConfig:
     """How the engine builds each step's batch."""
 
     max_tokens_per_step: int = 256  # decode tokens + prefill chunk tokens
+    # While any session streams, prefill gets at most this many tokens a step,
+    # so a big append slows a stream's steps by a bounded factor.
+    prefill_tokens_while_decoding: int = 32
     max_running: int = 64  # sessions generating at once
     queue_timeout_s: float = 60.0  # waiting longer than this: `overloaded`
 
     def validate(self) -> None:
         _positive("max_tokens_per_step", self.max_tokens_per_step)
         _positive("max_running", self.max_running)
+        _positive("prefill_tokens_while_decoding", self.prefill_tokens_while_decoding)
         if self.queue_timeout_s <= 0:
             raise ConfigError("queue_timeout_s must be > 0")
 

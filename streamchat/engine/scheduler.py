@@ -50,9 +50,11 @@ class Scheduler:
             if budget and s.decoding and self._make_room(s, 1, sessions, out.owners):
                 self._add(out, s, [s.response.next_token], decode=True)
                 budget -= 1
+        if out.batch.decode:
+            budget = min(budget, self.cfg.prefill_tokens_while_decoding)
         budget = self._prefill(out, sessions, budget)
         self.stats.steps += 1
-        self.stats.tokens_scheduled += self.cfg.max_tokens_per_step - budget
+        self.stats.tokens_scheduled += out.batch.num_tokens
         return out
 
     def _admit(self, sessions: list[EngineSession]) -> None:

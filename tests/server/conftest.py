@@ -99,8 +99,9 @@ class Client:
         await self.ws.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def daemon(tmp_path_factory):
+    """One daemon shared by the server tests that need no special flags."""
     d = Daemon(tmp_path_factory.mktemp("db") / "s.db").start()
     yield d
     d.stop()
