@@ -167,6 +167,7 @@ class Engine:
             tokens += self.chat.message("system", instructions)
         self._wake(s)
         s.pending.append(Pending(tokens + self.chat.reply_prompt(), starts_response=True))
+        s.num_items += 1  # the reply is an item of the conversation too
         s.response = Response(response_id, params, max_tokens,
                               IncrementalDetokenizer(self.tokenizer, stop), make_generator(params),
                               created_at=self.clock())

@@ -125,6 +125,7 @@ class Scheduler:
         upto = head.remaining - (1 if head.starts_response else 0)
         taken = self.manager.match_prefix(s.seq, head.token_ids[head.done:head.done + upto])
         head.done += taken
+        s.total_tokens += taken  # held, though not computed
 
     def _report(self, out: Scheduled, s: EngineSession, finished: list[Pending]) -> None:
         out.tickets.extend((s, p.ticket) for p in finished if p.ticket is not None)

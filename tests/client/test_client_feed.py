@@ -36,7 +36,7 @@ def run(coro):
 
 
 def test_file_lines_are_appended_and_committed_at_blank_lines(tmp_path):
-    """With appends of one line, each line (break kept) is one append; blank lines and the end commit, then stats."""
+    """With one line per append, each line (break kept) is sent; blank lines and the end commit, then stats."""
     source = tmp_path / "meeting.txt"
     source.write_text(TEXT)
     store = SessionStore(tmp_path / "sessions.json")

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -31,7 +32,7 @@ def daemon(tmp_path_factory):
     d = RealDaemon(tmp_path_factory.mktemp("db") / "chat.db", "--api-key", KEY,
                    "--window-tokens", "512", "--num-blocks", "400").start()
     yield d
-    d.stop()
+    assert d.stop() == 0  # SIGTERM: a clean shutdown
 
 
 @pytest.fixture
@@ -118,7 +119,7 @@ def test_chat_in_a_pty_streams_cancels_and_resumes(daemon, env, tmp_path):
 def test_chat_through_pipes_prints_plain_text(daemon, env, tmp_path):
     """With stdin and stdout piped: plain replies and status lines, /show stats, SIGINT cancels, /resume, /bye."""
     err_path = tmp_path / "stderr.txt"
-    command = " ".join([*CLIENT, "chat", daemon.url, "--plain", "2>", str(err_path)])
+    command = shlex.join([*CLIENT, "chat", daemon.url, "--plain"]) + " 2>" + shlex.quote(str(err_path))
     child = PopenSpawn(["sh", "-c", "exec " + command], env=env, timeout=60, encoding="utf-8")
     out = []
     try:
@@ -149,7 +150,8 @@ def test_chat_through_pipes_prints_plain_text(daemon, env, tmp_path):
         child.expect(pexpect.EOF)
         out.append(child.before)
     finally:
-        child.kill(signal.SIGKILL) if child.proc.poll() is None else None
+        if child.proc.poll() is None:
+            child.kill(signal.SIGKILL)
     assert child.wait() == 0
     assert "\x1b" not in "".join(out)
     err = err_path.read_text()
@@ -194,7 +196,7 @@ SYSTEM = "You answer questions about the text you were given."
 
 
 def test_feed_of_20k_tokens_keeps_the_session_bounded(tmp_path, env):
-    """`feed` pushes 20k+ tokens through a 512-token window; --ask answers and the KV blocks stay bounded."""
+    """`feed` pushes 20k+ tokens through a 512-token window, --ask answers, blocks stay bounded; then the daemon stops."""
     window, sink, block = 512, 4, 16
     daemon = RealDaemon(tmp_path / "feed.db", "--window-tokens", str(window), "--sink-tokens",
                         str(sink), "--num-blocks", "200").start()
@@ -224,17 +226,23 @@ def test_feed_of_20k_tokens_keeps_the_session_bounded(tmp_path, env):
         assert progress, fed.stderr
         tokens = int(progress.group(2).replace(",", ""))
         assert tokens >= 20_000
-        print(f"\nfed {tokens:,} tokens in {elapsed:.1f} s: {tokens / elapsed:,.0f} tokens/s "
-              f"(answer included)")
 
         resumed, stats = session_stats(daemon.url, session_id, saved["resume_token"])
         assert resumed["restored_from"] == "memory"
         bound = math.ceil((sink + window) / block) + 1 + math.ceil(system_tokens / block)
         blocks = stats["blocks"]["owned"] + stats["blocks"]["shared"]
         assert blocks <= bound, stats
-        assert stats["evicted_tokens"] > 0 and stats["context_tokens"] <= sink + window + system_tokens
+        assert stats["evicted_tokens"] > 0
+        assert stats["context_tokens"] <= (bound - 1) * block  # sink (whole blocks) + window
         health = daemon.healthz()
         used = health["kv_blocks"]["total"] - health["kv_blocks"]["free"]
         assert health["sessions"] == 1 and used <= bound, health
+        print(f"\nfed {tokens:,} tokens in {elapsed:.1f} s ({tokens / elapsed:,.0f} tokens/s, the "
+              f"answer included); {blocks} blocks held (bound {bound}), {used} in use in the pool, "
+              f"evicted {stats['evicted_tokens']:,}; answer: {fed.stdout.strip()[:80]!r}")
     finally:
-        assert daemon.stop() == 0
+        stopped = daemon.stop()
+    assert stopped == 0  # SIGTERM: a clean shutdown
+    gone = run_client("chat", daemon.url, "--resume", session_id, env=env, stdin="")
+    assert gone.returncode == 1 and "connection refused" in gone.stderr
+    assert "Start it with `make serve` (in the source tree) or `streamchat serve`." in gone.stderr
