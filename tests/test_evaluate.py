@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from streamchat import cli
+from streamchat.config import KV_DTYPES
 from streamchat.evaluate import DEFAULT_TEXT
 from streamchat.evaluate_policies import (EvalSpec, policy_cache, recompute_policy, recompute_targets,
                                           stream_nll, streamed_policy)
@@ -182,7 +183,7 @@ def test_cli_json_lines(capsys):
     (["--block-size", "12"], "--block-size must be a power of two, got 12"),
     (["--window-tokens", "16"], "--window-tokens (16) must hold at least two blocks of 16 tokens"),
     (["--policy", "sink,lru"], "--policy: unknown 'lru'; choose from full, window, sink, recompute"),
-    (["--kv-dtype", "int8"], "--kv-dtype: unknown 'int8'; choose from auto"),
+    (["--kv-dtype", "int9"], f"--kv-dtype: unknown 'int9'; choose from {', '.join(KV_DTYPES)}"),
 ])
 def test_bad_inputs_fail_in_one_line(tmp_path, capsys, args, message):
     """Each bad input exits 2 with one line naming the problem, before the model loads."""

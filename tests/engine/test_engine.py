@@ -86,7 +86,7 @@ def test_batched_with_interleaved_prefill_equals_alone(bundled_fp32, alone):
 
 def test_pool_exhaustion_preempts_and_completes_everything(bundled_fp32, alone):
     """A pool far too small for 16 sessions: all finish correctly, preemptions counted, no leak."""
-    llm = make_llm(bundled_fp32, num_blocks=40, budget=64, window=128)
+    llm = make_llm(bundled_fp32, num_blocks=16, budget=64, window=128)
     eng = llm.engine
     for i, prompt in enumerate(prompts16()):
         eng.open_session(f"s{i}")

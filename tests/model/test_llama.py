@@ -56,14 +56,20 @@ def test_tiny_logits_match_transformers(tiny, chunk):
 # own token-by-token forward differs from its one-piece forward by 1.05e-4 on
 # these 512 tokens (measured). So the bundled model is held to 1e-4 absolute
 # plus 1e-5 relative (logits reach ~25), and the tiny model to 1e-4 flat.
-@pytest.mark.parametrize("chunk", [512, 7, 64, 1])
-def test_bundled_logits_match_transformers(bundled_fp32, hf_bundled_fp32, chunk):
-    """SmolLM2-135M, 512 tokens of text: within 1e-4 (+1e-5 relative) for every feeding."""
+@pytest.fixture(scope="module")
+def bundled_case(bundled_fp32, hf_bundled_fp32):
+    """512 tokens of text and transformers' logits for them, computed once."""
     text = open(__file__).read() * 4
     ids = bundled_fp32.tokenizer(text)["input_ids"][:512]
     assert len(ids) == 512
     with torch.no_grad():
-        ref = hf_bundled_fp32(torch.tensor([ids])).logits[0]
+        return ids, hf_bundled_fp32(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("chunk", [512, 7, 64, 1])
+def test_bundled_logits_match_transformers(bundled_fp32, bundled_case, chunk):
+    """SmolLM2-135M, 512 tokens of text: within 1e-4 (+1e-5 relative) for every feeding."""
+    ids, ref = bundled_case
     ours = run_logits(bundled_fp32, ids, chunk)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)
     assert (ours - ref).abs().max() < 2.5e-4
