@@ -139,7 +139,13 @@ class KVCacheManager:
         return num_evict, max(0, num_alloc)
 
     def can_append(self, seq: SeqCache, num_new: int) -> bool:
-        return self.plan(seq, num_new)[1] <= self.pool.num_free
+        num_evict, num_alloc = self.plan(seq, num_new)
+        return num_alloc <= self.pool.num_free + self._freed_by_evicting(seq, num_evict)
+
+    def _freed_by_evicting(self, seq: SeqCache, num_evict: int) -> int:
+        """Blocks an eviction returns to the pool: those no other table references."""
+        first = seq.num_sink_blocks
+        return sum(1 for b in seq.block_ids[first:first + num_evict] if self.pool.ref_counts[b] == 1)
 
     def append(self, seq: SeqCache, token_ids: list[int]) -> Placement:
         """Evict as the policy says, allocate blocks, and place `token_ids`.
@@ -152,7 +158,7 @@ class KVCacheManager:
         if num_evict > full_after_sinks:
             raise ValueError(f"an append of {num_new} tokens would evict its own tokens; "
                              f"split it into chunks of at most {self.max_chunk}")
-        if num_alloc > self.pool.num_free:
+        if num_alloc > self.pool.num_free + self._freed_by_evicting(seq, num_evict):
             raise NoFreeBlocks(f"need {num_alloc} blocks, {self.pool.num_free} free")
         if num_evict:
             self._evict(seq, num_evict)

@@ -183,3 +183,16 @@ def test_random_appends_and_frees_keep_tables_and_pool_consistent(ops):
         bound = 1 + 3 + 1
         assert len(seq.block_ids) <= bound
         mgr.check(seqs)
+
+
+def test_an_append_may_use_the_blocks_its_own_eviction_frees():
+    """With a pool of exactly sink + window + 1 blocks, a multi-block append past the window fits."""
+    pool, mgr = make(num_blocks=1 + 1 + 4 + 1, sink=4, window=64)  # null + sink + window + one
+    seq = mgr.new_seq()
+    for i in range(0, 80, 16):
+        mgr.append(seq, list(range(i, i + 16)))
+    assert pool.num_free == 1
+    assert mgr.can_append(seq, 48)
+    mgr.append(seq, list(range(80, 128)))
+    assert len(seq.block_ids) == 1 + 4 and seq.evicted_tokens == 48
+    mgr.check([seq])
