@@ -72,7 +72,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(Config(model=ModelConfig(dtype=args.dtype), cache=CacheConfig(kv_memory_gib=0.5)))
-    # our runs ignore EOS? No: every prompt here decodes well past --tokens; count what was generated.
+    # Our replies may stop early at EOS; rates count the tokens actually generated.
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(llm.loaded.source.folder, dtype=llm.loaded.model.dtype).eval()

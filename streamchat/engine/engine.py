@@ -97,9 +97,6 @@ class Engine:
         total = s.seq.num_tokens + queued
         return total if total <= sink + self.manager.window_cap else sink + self.manager.window_cap
 
-    def has_session(self, session_id: str) -> bool:
-        return session_id in self.sessions
-
     def _system_tokens(self, instructions: str) -> list[int]:
         body = self.chat.message("system", instructions) if instructions else []
         return self.chat.bos_ids + body

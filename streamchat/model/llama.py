@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from streamchat.kernels.reference import rotate_half
 from streamchat.model.attention import AttentionMetadata, LayerKV, attend
 
 
@@ -123,7 +124,7 @@ class LlamaModel:
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(-1, s.num_heads, s.head_dim)  # (T, H, D)
-            q = q * cos + _rotate_half(q) * sin
+            q = q * cos + rotate_half(q) * sin
             k = k.view(-1, s.num_kv_heads, s.head_dim)  # (T, KVH, D), stored before rotation
             v = v.view(-1, s.num_kv_heads, s.head_dim)
             self.backend.write(kv.key, kv.value, k, v, meta.slot_mapping, k_scale=kv.k_scale, v_scale=kv.v_scale)
@@ -137,11 +138,6 @@ class LlamaModel:
         h = self.rms_norm(h[logits_idx], self.final_norm)
         return F.linear(h, self.lm_head).float()
 
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def load_state(folder: Path) -> dict[str, torch.Tensor]:

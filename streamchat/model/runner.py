@@ -7,7 +7,6 @@ about scheduling or sessions: it is handed a `StepBatch` and returns logits.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -162,6 +161,3 @@ class ModelRunner:
         return PrefillGroup(torch.tensor(cu, dtype=torch.int32, device=dev), self._tables(batch.prefill),
                             torch.tensor([c.seq_len for c in batch.prefill], dtype=torch.int32, device=dev))
 
-
-def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
