@@ -157,27 +157,53 @@ def chat_inputs(chat, prompts: list[str], system: str = "") -> list[list[int]]:
     return [head + chat.message("user", p) + chat.reply_prompt() for p in prompts]
 
 
-def hf_sequential(model, inputs: list[list[int]], tokens: int) -> int:
-    """One `generate` per prompt, one after another; returns new tokens."""
+def spread_lengths(num: int, mean: int) -> list[int]:
+    """Response lengths for `num` requests, evenly spread over [mean/4, 7*mean/4] (their mean is `mean`).
+
+    Chat replies differ in length; a padded batch runs to its longest and
+    throws the rest away, continuous batching does not. Deterministic, so
+    both sides of a comparison get the same list.
+    """
+    if num == 1:
+        return [mean]
+    return [max(1, round(mean * (0.25 + 1.5 * i / (num - 1)))) for i in range(num)]
+
+
+def _lengths(tokens, num: int) -> list[int]:
+    return list(tokens) if isinstance(tokens, (list, tuple)) else [tokens] * num
+
+
+def hf_sequential(model, inputs: list[list[int]], tokens) -> int:
+    """One `generate` per prompt, one after another; returns new tokens.
+
+    `tokens`: new tokens per prompt, one int for all or a list (exactly that many each).
+    """
     import torch
 
     total = 0
     with torch.inference_mode():
-        for ids in inputs:
-            out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=tokens,
-                                 min_new_tokens=tokens, do_sample=False)
+        for ids, n in zip(inputs, _lengths(tokens, len(inputs))):
+            out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False)
             total += out.shape[1] - len(ids)
     return total
 
 
-def hf_padded(model, inputs: list[list[int]], tokens: int, pad_id: int) -> int:
-    """One left-padded `generate` over all prompts; returns new tokens."""
+def hf_padded(model, inputs: list[list[int]], tokens, pad_id: int) -> int:
+    """One left-padded `generate` over all prompts; returns the new tokens that were asked for.
+
+    With per-prompt lengths the batch runs to the longest; rows past their
+    own length are wasted work and not counted.
+    """
     import torch
 
+    lengths = _lengths(tokens, len(inputs))
     width = max(len(i) for i in inputs)
     ids = torch.tensor([[pad_id] * (width - len(i)) + i for i in inputs], device=model.device)
     mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in inputs], device=model.device)
+    longest = max(lengths)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                              do_sample=False, pad_token_id=pad_id)
-    return (out.shape[1] - width) * len(inputs)
+    assert out.shape[1] - width == longest
+    return sum(lengths)

@@ -7,7 +7,7 @@
 1. Concurrency sweep. For each N in --sessions, N chat sessions run at once
    through `AsyncEngine` exactly as the daemon drives it: each session is an
    asyncio task that opens a session, adds a user item, starts a greedy
-   response of --tokens tokens (`engine.call(...)` per request), opens the
+   response of its length (see --lengths) (`engine.call(...)` per request), opens the
    response's stream and consumes it, stamping each `TextDelta` on arrival
    (client side, `time.perf_counter`). Figures: aggregate output tokens/s
    (all output tokens / wall time from the first open to the last finish,
@@ -15,13 +15,22 @@
    inter-token latency (gaps between consecutive deltas) p50/p99. Latency
    samples are pooled over --repeats runs; tokens/s is their median.
 2. transformers `generate` on the same weights and dtype, same device, same
-   prompt tokens (our chat framing), greedy, `min_new_tokens = max_new_tokens
-   = --tokens`: --hf-sessions prompts one after another, and as one
-   left-padded batch. EOS is switched off on our side for the whole run, so
-   both sides produce exactly --tokens tokens per response.
-   Ratios: ours@16 / transformers sequential (target >= 8), ours@16 /
-   transformers padded batch (target >= 1.5). (The ratio uses ours at the
-   largest --sessions value not above --hf-sessions.)
+   prompt tokens (our chat framing), greedy, `min_new_tokens = max_new_tokens`:
+   --hf-sessions prompts one after another, and as one left-padded batch.
+   EOS is switched off on our side for the whole run, so both sides produce
+   exactly the asked number of tokens per response (greedy replies of this
+   model repeat themselves past 512 tokens without an EOS, so "natural"
+   lengths would all be the cap).
+   Two kinds of work (--lengths): `fixed`, one round, every response
+   --tokens long (the padded batch's best case: no row waits); `spread`,
+   --rounds requests per client, back to back, lengths spread evenly from
+   --tokens/4 to 7/4 --tokens (same mean) and shuffled, as chat replies
+   differ. transformers serves round r as its r-th padded batch, which runs
+   to its longest reply (only the tokens asked for are counted); the engine
+   starts a client's next request as soon as its reply ends.
+   Ratios per kind: ours@16 / transformers sequential (target >= 8),
+   ours@16 / transformers padded batch (target >= 1.5). (The ratio uses ours
+   at the largest --sessions value not above --hf-sessions.)
 3. Mixed load. Session A streams a response of --mixed-tokens tokens; after
    its --mixed-warmup-th delta, session B appends --append-tokens tokens of
    Botchan (streamchat/data/botchan.txt) with one `append_text` call. A's
@@ -47,6 +56,7 @@ common.passive_omp()  # as the daemon does, before torch starts
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import itertools  # noqa: E402
+import random  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -115,10 +125,18 @@ async def chat_session(aeng, prompt: str, tokens: int, on_delta=None, keep_open:
     return out
 
 
-async def sweep_point(aeng, prompts: list[str], tokens: int) -> tuple[float, list[Stream]]:
+async def sweep_point(aeng, work: list[tuple[str, int]], clients: int) -> tuple[float, list[Stream]]:
+    """`clients` concurrent clients serve `work` (prompt, length): client i takes i, i+N, ...
+
+    Closed loop: a client sends its next request as soon as its reply ends.
+    """
+    async def client(i: int) -> list[Stream]:
+        return [await chat_session(aeng, p, n) for p, n in work[i::clients]]
+
     start = time.perf_counter()
-    streams = await asyncio.gather(*(chat_session(aeng, p, tokens) for p in prompts))
+    per_client = await asyncio.gather(*(client(i) for i in range(clients)))
     wall = time.perf_counter() - start
+    streams = [s for got in per_client for s in got]
     return sum(s.tokens for s in streams) / wall, streams
 
 
@@ -176,20 +194,20 @@ async def run_ours(llm, args) -> tuple[list[dict], dict | None]:
     aeng = AsyncEngine(llm.engine, args.num_threads_engine)
     aeng.start()
     try:
-        await sweep_point(aeng, common.PROMPTS[:2], 4)  # warm-up
+        await sweep_point(aeng, [(common.PROMPTS[0], 4), (common.PROMPTS[1], 4)], 2)  # warm-up
         rows = []
-        for n in args.sessions:
-            prompts = [common.PROMPTS[i % len(common.PROMPTS)] for i in range(n)]
+        for mode, n in itertools.product(args.lengths, args.sessions):
+            work = make_work(mode, n, args)
             rates, streams = [], []
             for _ in range(args.repeats):
-                rate, got = await sweep_point(aeng, prompts, args.tokens)
+                rate, got = await sweep_point(aeng, work, n)
                 rates.append(rate)
                 streams += got
             ttfts = [s.ttft for s in streams if s.ttft is not None]
             gaps = [g for s in streams for g in s.gaps]
             statuses = sorted({f"{s.status}:{s.reason}" for s in streams})
             rows.append({
-                "sessions": n, "tok_s": common.median(rates),
+                "lengths": mode, "sessions": n, "tok_s": common.median(rates),
                 "ttft_p50_ms": common.ms(common.percentile(ttfts, 50)),
                 "ttft_p99_ms": common.ms(common.percentile(ttfts, 99)),
                 "itl_p50_ms": common.ms(common.percentile(gaps, 50)),
@@ -197,7 +215,8 @@ async def run_ours(llm, args) -> tuple[list[dict], dict | None]:
                 "tokens_per_response": common.median([s.tokens for s in streams]),
                 "statuses": statuses,
             })
-            print(f"  ours {n:>3} sessions: {rows[-1]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+            print(f"  ours {n:>3} sessions, {mode} lengths: {rows[-1]['tok_s']:.1f} tok/s",
+                  file=sys.stderr, flush=True)
         mix = None
         if args.append_tokens:
             text = common.botchan_prefix(llm.tokenizer, args.append_tokens)
@@ -215,22 +234,52 @@ def timed(fn, device) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def run_transformers(llm, args) -> dict:
+def make_work(mode: str, clients: int, args) -> list[tuple[str, int]]:
+    """The requests of one sweep point, (prompt, response length), in the order they are served.
+
+    fixed: one round, every response --tokens long. spread: --rounds rounds;
+    lengths spread around --tokens (same mean), shuffled with a fixed seed.
+    Request j goes to client j % clients, so round r is requests
+    r*clients .. (r+1)*clients-1: the padded batch of transformers gets
+    exactly these as its r-th batch.
+    """
+    rounds = 1 if mode == "fixed" else args.rounds
+    num = clients * rounds
+    if mode == "fixed":
+        lengths = [args.tokens] * num
+    else:
+        lengths = common.spread_lengths(num, args.tokens)
+        random.Random(0).shuffle(lengths)
+    return [(common.PROMPTS[j % len(common.PROMPTS)], lengths[j]) for j in range(num)]
+
+
+def run_transformers(llm, args) -> list[dict]:
     hf = common.load_transformers(llm.loaded)
     device = llm.loaded.model.device
     n = args.hf_sessions
-    prompts = [common.PROMPTS[i % len(common.PROMPTS)] for i in range(n)]
-    inputs = common.chat_inputs(llm.engine.chat, prompts)
     pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
-    common.hf_sequential(hf, inputs[:1], 4)  # warm-up
-    common.hf_padded(hf, inputs[:2], 4, pad)
-    seq = timed(lambda: common.hf_sequential(hf, inputs, args.tokens), device)  # once: it is the slow one
-    print(f"  transformers {n} sequential: {seq:.1f} tok/s", file=sys.stderr, flush=True)
-    padded = common.median(timed(lambda: common.hf_padded(hf, inputs, args.tokens, pad), device)
-                           for _ in range(args.repeats))
-    print(f"  transformers {n} padded: {padded:.1f} tok/s", file=sys.stderr, flush=True)
+    warm = common.chat_inputs(llm.engine.chat, common.PROMPTS[:2])
+    common.hf_sequential(hf, warm[:1], 4)  # warm-up
+    common.hf_padded(hf, warm, 4, pad)
+    out = []
+    for mode in args.lengths:
+        work = make_work(mode, n, args)
+        inputs = common.chat_inputs(llm.engine.chat, [p for p, _ in work])
+        lengths = [t for _, t in work]
+        seq = timed(lambda: common.hf_sequential(hf, inputs, lengths), device)  # once: it is the slow one
+        print(f"  transformers {n} sequential, {mode} lengths: {seq:.1f} tok/s", file=sys.stderr, flush=True)
+        padded = common.median(timed(lambda: batches(hf, inputs, lengths, n, pad), device)
+                                for _ in range(args.repeats))
+        print(f"  transformers {n} padded, {mode} lengths: {padded:.1f} tok/s", file=sys.stderr, flush=True)
+        out.append({"lengths": mode, "sessions": n, "sequential_tok_s": seq, "padded_tok_s": padded})
     del hf
-    return {"sessions": n, "sequential_tok_s": seq, "padded_tok_s": padded}
+    return out
+
+
+def batches(hf, inputs: list[list[int]], lengths: list[int], size: int, pad: int) -> int:
+    """The work as consecutive padded batches of `size` (one per round); tokens asked for."""
+    return sum(common.hf_padded(hf, inputs[i:i + size], lengths[i:i + size], pad)
+               for i in range(0, len(inputs), size))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,7 +287,13 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sessions", type=common.int_list, default=[1, 4, 16, 32],
                    help="concurrent sessions, comma-separated (default 1,4,16,32)")
-    p.add_argument("--tokens", type=int, default=64, help="output tokens per response (default 64)")
+    p.add_argument("--tokens", type=int, default=64,
+                   help="output tokens per response, the mean of them with spread lengths (default 64)")
+    p.add_argument("--lengths", type=lambda t: t.split(","), default=["fixed", "spread"],
+                   help="response lengths, comma-separated: fixed (all --tokens long), spread (evenly from "
+                        "--tokens/4 to 7*--tokens/4, as chat replies differ); default both")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="requests per client with spread lengths, sent back to back (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="runs per sweep point; tokens/s is their median")
     p.add_argument("--hf-sessions", type=int, default=16,
                    help="prompts for the transformers baselines; 0 skips them (default 16)")
@@ -249,10 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-memory-gib", type=float, default=1.0, help="KV pool size (default 1)")
     p.add_argument("--kv-dtype", default="auto", help="KV pool storage: auto (the model's dtype), int8, fp8, int4")
     p.add_argument("--max-tokens-per-step", type=int, default=None, help="default: SchedulerConfig's")
+    p.add_argument("--prefill-tokens-while-decoding", type=int, default=None, help="default: SchedulerConfig's")
     common.add_model_flags(p)
     args = p.parse_args(argv)
-    if args.tokens <= 0 or args.repeats <= 0 or args.mixed_tokens <= 1:
-        p.error("--tokens, --repeats must be positive and --mixed-tokens > 1")
+    if args.tokens <= 0 or args.repeats <= 0 or args.rounds <= 0 or args.mixed_tokens <= 1:
+        p.error("--tokens, --repeats, --rounds must be positive and --mixed-tokens > 1")
+    if not args.lengths or set(args.lengths) - {"fixed", "spread"}:
+        p.error("--lengths takes fixed, spread or both (comma-separated)")
     args.mixed_warmup = max(1, min(args.mixed_warmup, args.mixed_tokens - 1))
 
     import torch
@@ -261,8 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     from streamchat.llm import LLM
 
     model_cfg = common.model_config(args)
-    sched = SchedulerConfig(**({"max_tokens_per_step": args.max_tokens_per_step}
-                               if args.max_tokens_per_step else {}))
+    sched = SchedulerConfig(**{k: v for k, v in (("max_tokens_per_step", args.max_tokens_per_step),
+                                                 ("prefill_tokens_while_decoding",
+                                                  args.prefill_tokens_while_decoding)) if v})
     cache = CacheConfig(kv_memory_gib=args.kv_memory_gib, kv_dtype=args.kv_dtype)
     llm = LLM(Config(model=model_cfg, cache=cache, scheduler=sched))
     args.num_threads_engine = model_cfg.num_threads
@@ -270,34 +329,34 @@ def main(argv: list[str] | None = None) -> int:
     print(common.describe(llm.loaded), file=sys.stderr, flush=True)
 
     rows, mix = asyncio.run(run_ours(llm, args))
-    hf = run_transformers(llm, args) if args.hf_sessions else None
+    hf_rows = run_transformers(llm, args) if args.hf_sessions else []
 
-    # ours at the largest swept N not above the transformers prompt count
-    ref = None
-    if hf:
-        under = [r for r in rows if r["sessions"] <= hf["sessions"]]
+    # per lengths mode: ours at the largest swept N not above the transformers prompt count
+    ratios: dict[str, dict] = {}
+    for hf in hf_rows:
+        under = [r for r in rows if r["lengths"] == hf["lengths"] and r["sessions"] <= hf["sessions"]]
         ref = max(under, key=lambda r: r["sessions"]) if under else None
-    ratios = {
-        "ours_vs_hf_sequential": common.ratio(ref and ref["tok_s"], hf and hf["sequential_tok_s"]),
-        "ours_vs_hf_padded": common.ratio(ref and ref["tok_s"], hf and hf["padded_tok_s"]),
-        "mixed_p99_over_p50": mix and mix["p99_over_p50"],
-    }
+        ratios[hf["lengths"]] = {
+            "ours_sessions": ref and ref["sessions"],
+            "ours_vs_hf_sequential": common.ratio(ref and ref["tok_s"], hf["sequential_tok_s"]),
+            "ours_vs_hf_padded": common.ratio(ref and ref["tok_s"], hf["padded_tok_s"]),
+        }
 
     print(f"{common.describe(llm.loaded)}; tokens={args.tokens} repeats={args.repeats} "
-          f"max_tokens_per_step={llm.config.scheduler.max_tokens_per_step}")
-    print(f"{'':34}{'tok/s':>10}{'ttft p50':>10}{'ttft p99':>10}{'itl p50':>10}{'itl p99':>10}   (ms)")
+          f"max_tokens_per_step={llm.config.scheduler.max_tokens_per_step} "
+          f"prefill_tokens_while_decoding={llm.config.scheduler.prefill_tokens_while_decoding}")
+    print(f"{'':40}{'tok/s':>10}{'ttft p50':>10}{'ttft p99':>10}{'itl p50':>10}{'itl p99':>10}   (ms)")
     for r in rows:
-        print(f"{'ours, ' + str(r['sessions']) + ' sessions':34}{common.fmt(r['tok_s'])}"
+        print(f"{'ours, ' + str(r['sessions']) + ' sessions, ' + r['lengths']:40}{common.fmt(r['tok_s'])}"
               f"{common.fmt(r['ttft_p50_ms'])}{common.fmt(r['ttft_p99_ms'])}"
               f"{common.fmt(r['itl_p50_ms'])}{common.fmt(r['itl_p99_ms'])}")
-    if hf:
-        n = hf["sessions"]
-        at = f"ours@{ref['sessions']}" if ref else "ours"
-        rs, rp = ratios["ours_vs_hf_sequential"], ratios["ours_vs_hf_padded"]
-        print(f"{f'transformers, {n} sequential':34}{common.fmt(hf['sequential_tok_s'])}"
-              f"   {at} ratio {common.fmt(rs, 0, 2)}x (target >= {TARGET_SEQUENTIAL:g})")
-        print(f"{f'transformers, {n} padded batch':34}{common.fmt(hf['padded_tok_s'])}"
-              f"   {at} ratio {common.fmt(rp, 0, 2)}x (target >= {TARGET_PADDED:g})")
+    for hf in hf_rows:
+        n, mode, rt = hf["sessions"], hf["lengths"], ratios[hf["lengths"]]
+        at = f"ours@{rt['ours_sessions']}" if rt["ours_sessions"] else "ours"
+        print(f"{f'transformers, {n} sequential, {mode}':40}{common.fmt(hf['sequential_tok_s'])}"
+              f"   {at} ratio {common.fmt(rt['ours_vs_hf_sequential'], 0, 2)}x (target >= {TARGET_SEQUENTIAL:g})")
+        print(f"{f'transformers, {n} padded batch, {mode}':40}{common.fmt(hf['padded_tok_s'])}"
+              f"   {at} ratio {common.fmt(rt['ours_vs_hf_padded'], 0, 2)}x (target >= {TARGET_PADDED:g})")
     if mix:
         print(f"mixed: A streams {mix['stream_tokens']} tokens while B appends {mix['append_tokens']} tokens "
               f"in one call ({mix['append_s']:.2f} s, {mix['deltas_during_append']} of A's deltas during it"
@@ -312,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "serve", "model": llm.loaded.source.name, "dtype": str(llm.loaded.model.dtype),
         "device": str(llm.loaded.model.device), "kv_dtype": args.kv_dtype, "threads": torch.get_num_threads(),
         "tokens": args.tokens,
-        "repeats": args.repeats, "ours": rows, "transformers": hf, "mixed": mix, **ratios,
+        "repeats": args.repeats, "ours": rows, "transformers": hf_rows, "mixed": mix, "ratios": ratios,
+        "mixed_p99_over_p50": mix and mix["p99_over_p50"],
         "targets": {"ours_vs_hf_sequential": TARGET_SEQUENTIAL, "ours_vs_hf_padded": TARGET_PADDED,
                     "mixed_p99_over_p50": TARGET_MIXED}})))
     return 0

@@ -88,8 +88,12 @@ class SchedulerConfig:
 
     max_tokens_per_step: int = 256  # decode tokens + prefill chunk tokens
     # While any session streams, prefill gets at most this many tokens a step,
-    # so a big append slows a stream's steps by a bounded factor.
-    prefill_tokens_while_decoding: int = 32
+    # and its chunks at most this much attention work: a chunk of n tokens over
+    # c cached ones costs n * (c + n) query-key pairs. A long context's chunk
+    # thus gets few tokens (16384 / 2064 -> 7 at the default window), a new
+    # short prompt many, and a big append slows a stream by a bounded factor.
+    prefill_tokens_while_decoding: int = 64
+    prefill_keys_while_decoding: int = 16384
     max_running: int = 64  # sessions generating at once
     queue_timeout_s: float = 60.0  # waiting longer than this: `overloaded`
 
@@ -97,6 +101,7 @@ class SchedulerConfig:
         _positive("max_tokens_per_step", self.max_tokens_per_step)
         _positive("max_running", self.max_running)
         _positive("prefill_tokens_while_decoding", self.prefill_tokens_while_decoding)
+        _positive("prefill_keys_while_decoding", self.prefill_keys_while_decoding)
         if self.queue_timeout_s <= 0:
             raise ConfigError("queue_timeout_s must be > 0")
 

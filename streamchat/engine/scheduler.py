@@ -50,9 +50,11 @@ class Scheduler:
             if budget and s.decoding and self._make_room(s, 1, sessions, out.owners):
                 self._add(out, s, [s.response.next_token], decode=True)
                 budget -= 1
+        keys = None  # attention work prefill may add: bounded only while sessions stream
         if out.batch.decode:
             budget = min(budget, self.cfg.prefill_tokens_while_decoding)
-        budget = self._prefill(out, sessions, budget)
+            keys = self.cfg.prefill_keys_while_decoding
+        budget = self._prefill(out, sessions, budget, keys)
         self.stats.steps += 1
         self.stats.tokens_scheduled += out.batch.num_tokens
         return out
@@ -67,17 +69,35 @@ class Scheduler:
                 s.response.phase = Phase.PREFILL
                 running += 1
 
-    def _prefill(self, out: Scheduled, sessions: list[EngineSession], budget: int) -> int:
+    def _prefill(self, out: Scheduled, sessions: list[EngineSession], budget: int, keys: int | None) -> int:
         ready = [s for s in sessions if s.pending and self._may_prefill(s)]
         if not ready:
             return budget
         start = self._rr % len(ready)
         self._rr += 1
+        first = True
         for s in ready[start:] + ready[:start]:
             if budget <= 0:
                 break
-            budget -= self._prefill_one(out, s, budget, sessions)
+            limit = budget
+            if keys is not None:
+                limit = min(limit, self._tokens_for_keys(s.seq.num_tokens, keys, first))
+                if limit <= 0:
+                    continue
+            taken = self._prefill_one(out, s, limit, sessions)
+            if keys is not None and taken:
+                keys -= taken * (s.seq.num_tokens)  # context after the chunk, the chunk included
+                first = False
+            budget -= taken
         return budget
+
+    @staticmethod
+    def _tokens_for_keys(context: int, keys: int, first: bool) -> int:
+        """The largest n with n * (context + n) <= keys; at least 1 for the step's first chunk."""
+        n = int(((context * context + 4 * keys) ** 0.5 - context) / 2)
+        while n > 0 and n * (context + n) > keys:
+            n -= 1
+        return max(n, 1) if first else n
 
     @staticmethod
     def _may_prefill(s: EngineSession) -> bool:
@@ -145,15 +165,19 @@ class Scheduler:
                    scheduled: list[EngineSession]) -> bool:
         """True once the pool can take the append; drops idle, then preempts newest running."""
         while not self.manager.can_append(s.seq, num_new):
-            victim = self._idle_victim(sessions, s) or self._running_victim(sessions, s, scheduled)
+            victim = self._idle_victim(sessions, s, scheduled) or self._running_victim(sessions, s, scheduled)
             if victim is None:
                 return False
             self.drop(victim)
         return True
 
     @staticmethod
-    def _idle_victim(sessions, me) -> EngineSession | None:
-        idle = [v for v in sessions if v is not me and v.resident and v.seq.block_ids and not v.busy]
+    def _idle_victim(sessions, me, scheduled) -> EngineSession | None:
+        # A session whose last pending chunk is in this step is idle now, but its
+        # blocks are written by this step: freeing them could hand them to another
+        # chunk of the same step (two writes to one slot).
+        idle = [v for v in sessions if v is not me and v.resident and v.seq.block_ids and not v.busy
+                and not any(v is o for o in scheduled)]
         return min(idle, key=lambda v: v.last_active, default=None)
 
     def _running_victim(self, sessions, me, scheduled) -> EngineSession | None:

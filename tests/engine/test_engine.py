@@ -22,7 +22,9 @@ PROMPTS = [
 def make_llm(loaded, num_blocks=512, budget=256, max_running=64, window=2048):
     cfg = Config(model=ModelConfig(dtype="float32"),
                  cache=CacheConfig(num_blocks=num_blocks, window_tokens=window),
-                 scheduler=SchedulerConfig(max_tokens_per_step=budget, max_running=max_running))
+                 # queue timeouts are tested on their own; a slow (shared) machine must not trip them here
+                 scheduler=SchedulerConfig(max_tokens_per_step=budget, max_running=max_running,
+                                           queue_timeout_s=3600.0))
     return LLM(cfg, loaded=loaded)
 
 
