@@ -184,14 +184,15 @@ class Engine:
             return []
         return self._finish(s, "cancelled", "client_cancelled")
 
-    def close_session(self, session_id: str) -> list[EngineEvent]:
-        """End the session here: stop its response and free its blocks."""
+    def close_session(self, session_id: str, keep_saved: bool = False) -> list[EngineEvent]:
+        """End the session here: stop its response, free its blocks (and its saved file unless
+        `keep_saved`: then it can come back with `restore_saved`)."""
         s = self.sessions.get(session_id)
         if s is None:
             return []
         events = self._finish(s, "incomplete", "client_disconnected") if s.response else []
         if self.pager is not None:
-            self.pager.discard(s, delete_file=True)
+            self.pager.discard(s, delete_file=not keep_saved)
         self.manager.free(s.seq)
         del self.sessions[session_id]
         return events
@@ -248,12 +249,17 @@ class Engine:
     # -- tiers (engine thread only) -------------------------------------------------
 
     def prefetch(self, session_id: str) -> str:
-        """A client attached: bring its KV up before its first item; the tier it came from."""
+        """A client attached: bring its KV up before its first item; the tier it came from.
+
+        A session dropped to its tokens starts its rebuild now, in the background.
+        """
         s = self._get(session_id)
         origin = s.tier
         if origin in ("host", "disk") and not s.busy and self.pager.page_in(s, self._room_for(s)):
             return origin
-        return s.tier
+        if s.tier == "dropped":
+            self._wake(s)
+        return origin
 
     def restore_saved(self, session_id: str, instructions: str, messages: list[tuple[str, str, bool]],
                       snap: Snapshot) -> str | None:

@@ -143,6 +143,7 @@ class Daemon:
                 "kv_blocks": {"free": eng.pool.num_free, "total": eng.pool.num_usable,
                               "block_size": self.config.cache.block_size},
                 "kv_bytes_per_token": eng.runner.bytes_per_token,
+                "tiers": _tiers_health(eng.pager),
                 "sessions": len(self.hub.sessions), "connections": len(self.connections)}
 
     # -- websocket ----------------------------------------------------------------
@@ -225,3 +226,11 @@ def _json(status: http.HTTPStatus, doc: dict) -> Response:
     body = orjson.dumps(doc)
     h = Headers({"Content-Type": "application/json", "Content-Length": str(len(body))})
     return Response(status.value, status.phrase, h, body)
+
+
+def _tiers_health(pager) -> dict:
+    if pager is None:
+        return {"host": None, "disk": None}
+    host, disk = pager.host, pager.disk
+    return {"host": {"blocks_used": host.pool.num_used, "blocks_total": host.capacity} if host else None,
+            "disk": {"files": disk.num_files, "bytes": disk.num_bytes, "budget_bytes": disk.budget} if disk else None}

@@ -29,6 +29,7 @@ from streamchat.tiers.kvfile import ANY_MARK, KVFileError, KVLayout, Snapshot
 log = logging.getLogger(__name__)
 
 SESSION_ID = re.compile(r"sess_[0-9a-f]{32}")
+MAX_PENDING_BYTES = 1 << 30  # snapshots waiting for the writer; save() waits beyond this
 
 
 def file_name(session_id: str) -> str:
@@ -113,12 +114,18 @@ class DiskTier:
     # -- engine side ------------------------------------------------------------------
 
     def save(self, snap: Snapshot, version: int | None = None) -> bool:
-        """Queue `snap` for writing (the newest of a session wins); False if over the budget."""
+        """Queue `snap` for writing (the newest of a session wins); False if over the budget.
+
+        Waits while the snapshots queued before it hold more than
+        MAX_PENDING_BYTES, so a burst of saves (shutdown) cannot exhaust memory.
+        """
         size = snap.nbytes
         if size > self.budget:
             return False
         name = file_name(snap.session_id)
         with self._lock:
+            while self._pending and sum(j.copy.size for j in self._pending.values()) + size > MAX_PENDING_BYTES:
+                self._lock.wait()
             old = self._pending.get(name)
             if old is not None and not old.started:
                 old.cancelled = True
