@@ -257,13 +257,14 @@ class Engine:
         origin = s.tier
         if origin in ("host", "disk") and not s.busy and self.pager.page_in(s, self._room_for(s)):
             return origin
-        if s.tier == "dropped":
+        if s.tier == "dropped":  # never had a lower-tier copy, or its file was refused
             self._wake(s)
-        return origin
+            return "dropped"
+        return s.tier
 
     def restore_saved(self, session_id: str, instructions: str, messages: list[tuple[str, str, bool]],
                       snap: Snapshot) -> str | None:
-        """Open a session from its saved KV; None on success, else why not (nothing changed then).
+        """Open a session from its saved KV; None on success, else why not (then it is not opened).
 
         `messages` are its transcript items as for `restore_session`, which
         give the chat state (open item, item count); the KV comes from `snap`.
@@ -276,7 +277,8 @@ class Engine:
         if state.token_ids[:len(prefix)] != prefix or state.pinned_tokens != pinned:
             return "prompt"
         s = EngineSession(session_id, self.manager.new_seq(pinned), pinned, last_active=self.clock())
-        seq = self.pager.to_device(state, lambda rows, ids: kvfile.scatter(snap.tensors, rows, self.runner.kv_caches, ids),
+        kv = self.runner.kv_caches
+        seq = self.pager.to_device(state, lambda rows, ids: kvfile.scatter(snap.tensors, rows, kv, ids),
                                    self._room_for(s))
         if seq is None:
             return "no_room"
@@ -407,7 +409,6 @@ class Engine:
         self.manager.check([s.seq for s in self.sessions.values()])
         if self.pager is not None:
             self.pager.check(self.sessions.values())
-
 
 
 def _eos_ids(hf_config, tokenizer) -> set[int]:

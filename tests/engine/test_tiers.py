@@ -65,9 +65,12 @@ def rounds(eng, num_sessions):
 @pytest.fixture(scope="module")
 def reference(bundled_fp32):
     """The replies with a pool big enough that nothing ever pages out."""
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
-    llm = make_llm(bundled_fp32, num_blocks=200)
-    return rounds(llm.engine, 5)
+    try:
+        return rounds(make_llm(bundled_fp32, num_blocks=200).engine, 5)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_tiny_pool_pages_sessions_through_host_and_disk_exactly(bundled_fp32, reference, tmp_path):
@@ -92,7 +95,8 @@ def test_tiny_pool_pages_sessions_through_host_and_disk_exactly(bundled_fp32, re
 
 
 def test_pristine_sessions_share_prefix_blocks_in_host_and_on_page_in(bundled_fp32):
-    """Two sessions with one system prompt: one host copy of its blocks, and one device copy again after."""
+    """Two sessions with one system prompt: one host copy of its blocks, one device copy again after
+    a prefetch (a) and an item (b) bring them back, and the same replies as never paged out."""
     system = ("You are a patient assistant. You answer every question in one short sentence, "
               "you never use lists, and you end every answer with a full stop.")
     big = make_llm(bundled_fp32, num_blocks=200, window=256)
@@ -115,6 +119,8 @@ def test_pristine_sessions_share_prefix_blocks_in_host_and_on_page_in(bundled_fp
             eng.check()
             assert (a.tier, b.tier) == ("host", "host")
             assert eng.pager.host.pool.num_used == blocks - shared
+            assert eng.prefetch("a") == "host" and a.tier == "device" and not a.busy  # a resume
+            eng.check()
         for sid in ("a", "b"):
             replies[llm, sid, 1] = turn(eng, sid, "And a star?")
         if llm is small:
@@ -123,3 +129,20 @@ def test_pristine_sessions_share_prefix_blocks_in_host_and_on_page_in(bundled_fp
             assert eng.pager.moves[("host", "device")] == 2
             assert eng.pager.host.pool.num_used == 0
     assert all(replies[small, sid, k] == replies[big, sid, k] for sid in "ab" for k in (0, 1))
+
+
+def test_prefetch_of_a_dropped_session_starts_its_rebuild(bundled_fp32):
+    """With no tier to take it, an idle session keeps its tokens; a resume queues its rebuild at once."""
+    llm = make_llm(bundled_fp32, num_blocks=200)  # tiers on, but neither host memory nor a disk
+    eng = llm.engine
+    assert eng.pager is None
+    eng.open_session("a")
+    turn(eng, "a", "Name a planet.")
+    s = eng.sessions["a"]
+    tokens = list(s.seq.token_ids)
+    eng.scheduler.drop(s)
+    assert s.tier == "dropped" and eng.session_stats("a")["tier"] == "dropped"
+    assert eng.prefetch("a") == "dropped" and s.busy and list(s.pending[0].token_ids) == tokens
+    llm.drain()
+    assert s.seq.token_ids == tokens and s.tier == "device"
+    eng.check()
