@@ -84,6 +84,7 @@ class Engine:
         """
         self.open_session(session_id, instructions)
         s = self.sessions[session_id]
+        self._changed(s)  # no saved copy of an earlier life of this session is current
         tokens: list[int] = []
         for role, text, closed in messages:
             tokens += self.chat.message(role, text) if closed else self.chat.open_message(role) + self.chat.encode(text)

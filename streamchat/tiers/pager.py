@@ -11,9 +11,11 @@ its KV in: nothing is recomputed. Counts every move and every refused file.
 
 Runs on the engine thread, except `note_failure` and the figures.
 
-    EngineSession.tier:  device -> host -> disk
-                           ^  \\______________^   (straight down when disk holds it already)
-                           +-- page_in --------+   (dropped: tokens only; rebuilt by prefill)
+    EngineSession.tier
+    device --page_out--> host --(host full: its oldest)--> disk   (no disk: dropped)
+    device --page_out--> disk   (the host cannot take it, or disk holds it already)
+    device <--page_in--- host | disk   (copied back; a bad file: dropped)
+    dropped: only its tokens are kept; the next use rebuilds it by prefill
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Pager:
         self.bs = manager.block_size
         self.host = host
         self.disk = disk
+        self.block_bytes = sum(t[0].numel() * t.element_size() for kv in device_caches for t in kv if t is not None)
         self.moves = dict.fromkeys(MOVES, 0)
         self.load_failures = dict.fromkeys(kvfile.REASONS, 0)
         self._lock = threading.Lock()
@@ -74,20 +77,24 @@ class Pager:
             if host.blocks_needed(state, hashes) <= host.pool.num_free:
                 host.put(s, state, hashes, self.kv, seq.block_ids)
                 return "host"
-        if self.disk is not None:
+        if self._disk_takes(len(seq.block_ids)):
             snap = Snapshot(s.session_id, state, kvfile.gather(self.kv, seq.block_ids), s.transcript_mark)
             if self.disk.save(snap, s.kv_version):
                 return "disk"
         return None
+
+    def _disk_takes(self, num_blocks: int) -> bool:
+        """The disk tier is on and one file of this many blocks fits its budget."""
+        return self.disk is not None and num_blocks * self.block_bytes <= self.disk.budget
 
     def _evict_host(self, entry) -> None:
         """The host's oldest session goes to disk (dropped to its tokens if disk cannot take it)."""
         s = entry.session
         to = "disk"
         if not self.on_disk(s):
-            snap = Snapshot(s.session_id, entry.state, self.host.gather(entry), s.transcript_mark)
-            if self.disk is None or not self.disk.save(snap, s.kv_version):
-                to = "dropped"
+            taken = self._disk_takes(len(entry.block_ids)) and self.disk.save(
+                Snapshot(s.session_id, entry.state, self.host.gather(entry), s.transcript_mark), s.kv_version)
+            to = "disk" if taken else "dropped"
         self.host.release(entry)
         s.tier = to
         self.moves[("host", to)] += 1
@@ -187,18 +194,18 @@ class Pager:
         if copy is not None and copy.version == s.kv_version:
             if copy.mark == mark:
                 return True
-            try:
-                snap = self.disk.load(s.session_id)
+            try:  # the same KV, stamped anew
+                old = self.disk.load(s.session_id)
             except KVFileError:
                 return False
-        elif s.tier == "device" and s.seq.block_ids:
-            snap = Snapshot(s.session_id, state_of(s), kvfile.gather(self.kv, s.seq.block_ids))
-        elif s.tier == "host":
+            snap = Snapshot(s.session_id, old.state, old.tensors, mark)
+        elif s.tier == "device" and s.seq.block_ids and self._disk_takes(len(s.seq.block_ids)):
+            snap = Snapshot(s.session_id, state_of(s), kvfile.gather(self.kv, s.seq.block_ids), mark)
+        elif s.tier == "host" and self._disk_takes(len(self.host.entries[s.session_id].block_ids)):
             entry = self.host.entries[s.session_id]
-            snap = Snapshot(s.session_id, entry.state, self.host.gather(entry))
+            snap = Snapshot(s.session_id, entry.state, self.host.gather(entry), mark)
         else:
             return False
-        snap.mark = mark
         return self.disk.save(snap, s.kv_version)
 
     def flush(self) -> None:
