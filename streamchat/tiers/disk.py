@@ -220,7 +220,7 @@ class DiskTier:
                 job.copy.size = size
                 self._files[name] = job.copy
                 self._files.move_to_end(name)
-                os.utime(self.root / name, (job.copy.last_used, job.copy.last_used))
+                _set_mtime(self.root / name, job.copy.last_used)
                 self._enforce_budget(keep=name)
             self._lock.notify_all()
 
@@ -234,10 +234,7 @@ class DiskTier:
                 return
             c.last_used = now
             self._files.move_to_end(name)
-        try:
-            os.utime(self.root / name, (now, now))
-        except OSError:
-            pass
+        _set_mtime(self.root / name, now)
 
     def _enforce_budget(self, keep: str | None) -> None:
         """Delete least recently used files until the directory fits the budget (lock held)."""
@@ -248,7 +245,10 @@ class DiskTier:
             if name == keep or name in self._pending:
                 continue
             total -= self._files.pop(name).size
-            (self.root / name).unlink(missing_ok=True)
+            try:
+                (self.root / name).unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("could not delete %s from the disk tier: %s", name, exc.strerror)
             self.num_deletions += 1
             log.info("disk tier over its budget: deleted %s (least recently used)", name)
 
@@ -270,3 +270,11 @@ class DiskTier:
         if found:
             log.info("disk tier %s: %d saved sessions, %.1f MiB", self.root, len(found),
                      sum(f[2] for f in found) / (1 << 20))
+
+
+def _set_mtime(path: Path, when: float) -> None:
+    """The last use survives a restart as the file's mtime."""
+    try:
+        os.utime(path, (when, when))
+    except OSError:
+        pass
