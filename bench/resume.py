@@ -21,9 +21,11 @@ Before all but the first, the pool forgets every cached block, so nothing
 comes back from the prefix cache: a restarted daemon's pool has none, and a
 session paged out for room has lost its freed blocks to whoever needed them.
 
-Reported per way: `resume ms` (bringing the KV back; for the transcript, the
-prefill of the context is inside the first token instead) and `TTFT ms`,
-wall time from the start of the resume to the first token of the reply,
+Reported per way: `resume ms` (bringing the KV back; for the transcript
+only queueing it, the context's prefill happens before the first token),
+`question ms` (the question's item and reply to their first token: the same
+work every way, except the transcript's rebuild), and `TTFT ms`, their sum:
+wall time from the start of the resume to the first token of the reply;
 medians over --repeats (--transcript-repeats for the slow one); the saved
 file's size; and transcript TTFT / disk TTFT (target >= 5 on CPU).
 
@@ -159,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             if how == "disk":
                 file_bytes = llm.engine.pager.disk.path(SID).stat().st_size
             results[how] = {"resume_ms": common.ms(common.median(r[0] for r in runs)),
+                            "question_ms": common.ms(common.median(r[1] - r[0] for r in runs)),
                             "ttft_ms": common.ms(common.median(r[1] for r in runs)), "runs": len(runs)}
             print(f"  {how}: {results[how]}", file=sys.stderr, flush=True)
         llm.engine.close_session(SID)
@@ -167,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     ratio = common.ratio(results["transcript"]["ttft_ms"], results["disk"]["ttft_ms"])
     print(f"{common.describe(loaded)}; a session of {context} tokens (window {args.window_tokens}), "
           f"kv dtype {args.kv_dtype}; saved file {file_bytes / 2**20:.1f} MiB")
-    print(f"{'resumed from':14}{'resume ms':>11}{'TTFT ms':>11}{'runs':>6}")
+    print(f"{'resumed from':14}{'resume ms':>11}{'question ms':>13}{'TTFT ms':>11}{'runs':>6}")
     for how, r in results.items():
-        print(f"{how:14}{common.fmt(r['resume_ms'], 11)}{common.fmt(r['ttft_ms'], 11)}{r['runs']:>6d}")
+        print(f"{how:14}{common.fmt(r['resume_ms'], 11)}{common.fmt(r['question_ms'], 13)}"
+              f"{common.fmt(r['ttft_ms'], 11)}{r['runs']:>6d}")
     print(f"TTFT transcript / disk: {common.fmt(ratio, 0, 1)}x (target >= {TARGET:g})")
     print(json.dumps(common.rounded({
         "bench": "resume", "model": loaded.source.name, "dtype": str(loaded.model.dtype),
