@@ -4,12 +4,13 @@ import logging
 
 import pytest
 import torch
-from tierkit import layout
+from tierkit import layout, snapshot
 
 from streamchat.cache.block_pool import BlockPool
 from streamchat.cache.manager import KVCacheManager
 from streamchat.engine.session import EngineSession
 from streamchat.model.attention import LayerKV
+from streamchat.tiers import kvfile
 from streamchat.tiers.disk import DiskTier
 from streamchat.tiers.host import HostTier
 from streamchat.tiers.pager import Pager
@@ -74,7 +75,8 @@ def test_page_in_without_room_leaves_the_session_where_it_was(tmp_path):
 
 
 @pytest.mark.parametrize("damage,reason", [("flip", "checksum"), ("truncate", "truncated"),
-                                           ("tokens", "inconsistent"), ("delete", "missing")])
+                                           ("foreign", "foreign"), ("tokens", "inconsistent"),
+                                           ("delete", "missing")])
 def test_a_bad_file_on_page_in_is_logged_counted_and_dropped_to_tokens(tmp_path, caplog, damage, reason):
     """A damaged or missing file is refused with a WARNING naming the reason; the session keeps its tokens."""
     pager = make_pager(tmp_path, host_blocks=0)
@@ -88,6 +90,9 @@ def test_a_bad_file_on_page_in_is_logged_counted_and_dropped_to_tokens(tmp_path,
         path.write_bytes(bytes(data))
     elif damage == "truncate":
         path.write_bytes(bytes(data[: len(data) // 2]))
+    elif damage == "foreign":  # the same session, saved by a daemon with another model
+        other = layout(model_fingerprint="fp-other")
+        kvfile.write_atomic(path, snapshot(other, a.session_id), other)
     elif damage == "tokens":
         a.dropped_tokens[3] += 1
     else:
