@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from streamchat.cache.manager import SeqCache
 
+TIERS = ("device", "host", "disk", "dropped")  # where a session's KV can be (dropped: tokens only)
+
 
 @dataclass
 class Pending:

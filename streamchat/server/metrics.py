@@ -11,6 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from streamchat.engine.session import TIERS
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -106,7 +108,7 @@ def _tier_metrics(eng, sessions):
     host, disk = pager.host, pager.disk
     tiers = [s.tier for s in sessions]
     yield _gauge("streamchat_tier_sessions", "Sessions by where their KV is (dropped: tokens only)", "tier",
-                 {t: tiers.count(t) for t in ("device", "host", "disk", "dropped")})
+                 {t: tiers.count(t) for t in TIERS})
     used = {"device": eng.pool.num_used * per_block}
     capacity = {"device": eng.pool.num_usable * per_block}
     if host is not None:

@@ -31,7 +31,6 @@ from streamchat.tiers.kvfile import KVFileError, SeqState, Snapshot
 
 log = logging.getLogger(__name__)
 
-TIERS = ("device", "host", "disk", "dropped")
 MOVES = (("device", "host"), ("device", "disk"), ("host", "disk"), ("host", "dropped"),
          ("host", "device"), ("disk", "device"))
 
