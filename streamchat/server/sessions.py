@@ -67,7 +67,7 @@ class Hub:
         self.model_name = model_name
         self.cache_cfg = cache_cfg
         self.sessions: dict[str, LiveSession] = {}
-        self._resuming: dict[str, asyncio.Lock] = {}  # one restore at a time per session id
+        self._resuming: dict[str, tuple[asyncio.Lock, int]] = {}  # one restore at a time per id, and its users
 
     def describe(self, s: LiveSession, with_token: bool = False) -> dict:
         return session_object(
@@ -111,13 +111,17 @@ class Hub:
         A session still in the daemon is prefetched to the device from a
         lower tier before this returns, so its first item finds it there.
         """
-        lock = self._resuming.setdefault(session_id, asyncio.Lock())
+        lock, users = self._resuming.get(session_id, (asyncio.Lock(), 0))
+        self._resuming[session_id] = (lock, users + 1)
         try:
             async with lock:
                 return await self._resume(session_id, token)
         finally:
-            if not lock.locked() and self._resuming.get(session_id) is lock:
+            lock, users = self._resuming[session_id]
+            if users == 1:
                 del self._resuming[session_id]
+            else:
+                self._resuming[session_id] = (lock, users - 1)
 
     async def _resume(self, session_id: str, token: str) -> tuple[LiveSession, str]:
         live = self.sessions.get(session_id)

@@ -59,7 +59,8 @@ def rest_of_log(d):
 
 
 def test_sigterm_restart_resume_continues_exactly_as_without_restart(tmp_path):
-    """Two identical sessions with evictions: one continues live, the other after SIGTERM + restart, same reply."""
+    """Two identical sessions with evictions: one continues live, the other after SIGTERM + restart
+    and a resume from disk (by two sockets at once), with the same greedy reply."""
     db = tmp_path / "s.db"
     a = Daemon(db, *TIER_ARGS, "--checkpoint-idle-s", "0").start()
 
@@ -84,8 +85,9 @@ def test_sigterm_restart_resume_continues_exactly_as_without_restart(tmp_path):
     b = Daemon(db, *TIER_ARGS, "--checkpoint-idle-s", "0").start()
     try:
         async def after():
-            c, restored_from = await resume(b.url, sid, token)
-            assert restored_from == "disk"
+            (c, first), (other, second) = await asyncio.gather(resume(b.url, sid, token), resume(b.url, sid, token))
+            assert sorted([first, second]) == ["disk", "memory"]  # two sockets at once: loaded once
+            await other.close()
             st = await stats(c)
             assert st["tier"] == "device" and st["on_disk"]
             assert (st["context_tokens"], st["evicted_tokens"]) == (sx["context_tokens"], sx["evicted_tokens"])
