@@ -9,6 +9,7 @@ Torch-free.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -137,18 +138,46 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class TierConfig:
+    """Where idle sessions' KV goes below the device pool: host memory, then disk."""
+
+    host_tier_gib: float = 1.0  # host memory for idle sessions' blocks (pinned on CUDA); 0: off
+    disk_tier_gib: float = 10.0  # budget of the data directory, oldest-used files deleted; 0: off
+    data_dir: str | None = None  # None: next to the SQLite file, else $XDG_DATA_HOME/streamchat/kv
+    checkpoint_idle_s: float = 60.0  # idle this long: a copy goes to disk (kill -9 safety); 0: off
+
+    def validate(self) -> None:
+        for name in ("host_tier_gib", "disk_tier_gib", "checkpoint_idle_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.data_dir is not None and not self.data_dir.strip():
+            raise ConfigError("data_dir must not be empty (leave it unset for the default)")
+
+    @property
+    def host_bytes(self) -> int:
+        return int(self.host_tier_gib * (1 << 30))
+
+    @property
+    def disk_bytes(self) -> int:
+        return int(self.disk_tier_gib * (1 << 30))
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    tiers: TierConfig = field(default_factory=TierConfig)
 
     def validate(self) -> "Config":
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
         self.server.validate()
+        self.tiers.validate()
         if self.scheduler.max_tokens_per_step < self.cache.block_size:
             raise ConfigError("max_tokens_per_step must be at least one block")
         return self

@@ -30,11 +30,13 @@ class Reply:
 
 
 class LLM:
-    def __init__(self, config: Config | None = None, loaded=None) -> None:
+    def __init__(self, config: Config | None = None, loaded=None, tiers: bool = False) -> None:
+        """`tiers`: page idle sessions to host memory and (when `config.tiers.data_dir` is set) disk."""
         self.config = (config or Config()).validate()
         self.loaded = loaded or load_model(self.config.model)
         self.runner = ModelRunner(self.loaded, self.config.cache)
-        self.engine = Engine(self.runner, self.config.cache, self.config.scheduler)
+        self.engine = Engine(self.runner, self.config.cache, self.config.scheduler,
+                             tiers=self.config.tiers if tiers else None, data_dir=self.config.tiers.data_dir)
         self._ids = itertools.count()
 
     @property

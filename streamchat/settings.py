@@ -16,10 +16,10 @@ import types
 import typing
 
 from streamchat.config import (CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig,
-                               ServerConfig, StoreConfig)
+                               ServerConfig, StoreConfig, TierConfig)
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-            "server": ServerConfig, "store": StoreConfig}
+            "server": ServerConfig, "store": StoreConfig, "tiers": TierConfig}
 ALIASES = {("model", "path"): "model", ("store", "url"): "database_url"}
 HELP = {
     "model": "model folder (Hugging Face, safetensors) or .gguf file; default: bundled SmolLM2-135M-Instruct",
@@ -28,6 +28,10 @@ HELP = {
     "allowed_origins": "comma-separated Origin allow-list (empty: any)",
     "api_key": "require `Authorization: Bearer KEY` on the websocket handshake",
     "num_blocks": "KV pool blocks (0: size the pool from --kv-memory-gib)",
+    "host_tier_gib": "host memory for idle sessions' KV blocks (pinned on CUDA; 0: off)",
+    "disk_tier_gib": "size budget of the data directory of saved sessions, least recently used deleted first (0: off)",
+    "data_dir": "where saved sessions go (default: next to the SQLite file, else $XDG_DATA_HOME/streamchat/kv)",
+    "checkpoint_idle_s": "a session idle this long is also saved to disk, so kill -9 loses no KV (0: off)",
 }
 
 

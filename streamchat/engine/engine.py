@@ -14,7 +14,7 @@ from collections import deque
 
 from streamchat.cache.block_pool import BlockPool
 from streamchat.cache.manager import KVCacheManager
-from streamchat.config import CacheConfig, ConfigError, SchedulerConfig
+from streamchat.config import CacheConfig, ConfigError, SchedulerConfig, TierConfig
 from streamchat.engine.events import EngineEvent, ItemPrefilled, ResponseFinished, TextDelta
 from streamchat.engine.metrics import EngineMetrics
 from streamchat.engine.scheduler import Scheduler
@@ -22,6 +22,7 @@ from streamchat.engine.session import EngineSession, Pending, Phase, Response
 from streamchat.model.sampling import SamplingParams, make_generator, sample
 from streamchat.text.chat import ChatFormat
 from streamchat.text.detok import IncrementalDetokenizer
+from streamchat.tiers import Snapshot, build_pager, kvfile
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ class EngineError(Exception):
 
 class Engine:
     def __init__(self, runner, cache: CacheConfig, scheduler: SchedulerConfig,
-                 metrics: EngineMetrics | None = None, clock=time.monotonic) -> None:
+                 metrics: EngineMetrics | None = None, clock=time.monotonic,
+                 tiers: TierConfig | None = None, data_dir=None) -> None:
         self.runner = runner
         self.tokenizer = runner.loaded.tokenizer
         self.chat = ChatFormat(self.tokenizer)
@@ -51,6 +53,9 @@ class Engine:
                 f"sink_tokens + window_tokens need {cache.max_blocks_per_session()} blocks per session, "
                 f"but the KV pool has only {self.pool.num_usable}; lower window_tokens or enlarge the pool")
         self.scheduler = Scheduler(scheduler, self.manager)
+        # host and disk tiers below the pool (None: idle sessions are dropped to their tokens)
+        self.pager = build_pager(tiers, runner, cache, self.manager, data_dir) if tiers else None
+        self.scheduler.pager = self.pager
         self.sched_cfg = scheduler
         self.sessions: dict[str, EngineSession] = {}
         self.metrics = metrics or EngineMetrics()
@@ -79,6 +84,7 @@ class Engine:
         """
         self.open_session(session_id, instructions)
         s = self.sessions[session_id]
+        self._changed(s)  # no saved copy of an earlier life of this session is current
         tokens: list[int] = []
         for role, text, closed in messages:
             tokens += self.chat.message(role, text) if closed else self.chat.open_message(role) + self.chat.encode(text)
@@ -107,11 +113,14 @@ class Engine:
         if s.response is not None:
             raise EngineError("conversation_already_has_active_response", "a response is running")
         tail = self._context_tokens(s)[s.pinned_tokens:]
+        self._changed(s)
+        if self.pager is not None:
+            self.pager.discard(s)  # every position's KV changes with the prompt: nothing to page in
         self.scheduler.manager.free(s.seq)
         prefix = self._system_tokens(instructions)
         s.pinned_tokens = len(prefix) if self.cache_cfg.pin_system_prompt else 0
         s.seq = self.manager.new_seq(s.pinned_tokens)
-        s.resident, s.dropped_tokens = True, []
+        s.resident, s.dropped_tokens, s.tier = True, [], "device"
         queued = [t for p in s.pending for t in p.token_ids[p.done:]]
         s.pending.clear()
         s.pending.append(Pending(prefix + tail + queued))
@@ -176,12 +185,15 @@ class Engine:
             return []
         return self._finish(s, "cancelled", "client_cancelled")
 
-    def close_session(self, session_id: str) -> list[EngineEvent]:
-        """End the session here: stop its response and free its blocks."""
+    def close_session(self, session_id: str, keep_saved: bool = False) -> list[EngineEvent]:
+        """End the session here: stop its response, free its blocks (and its saved file unless
+        `keep_saved`: then it can come back with `restore_saved`)."""
         s = self.sessions.get(session_id)
         if s is None:
             return []
         events = self._finish(s, "incomplete", "client_disconnected") if s.response else []
+        if self.pager is not None:
+            self.pager.discard(s, delete_file=not keep_saved)
         self.manager.free(s.seq)
         del self.sessions[session_id]
         return events
@@ -189,6 +201,8 @@ class Engine:
     def session_stats(self, session_id: str) -> dict:
         s = self._get(session_id)
         st = self.manager.stats(s.seq)
+        if s.parked is not None:  # in a lower tier: its cache as it will come back
+            st = st._replace(context_tokens=len(s.parked.token_ids), evicted_tokens=s.parked.evicted_tokens)
         return {
             "context_tokens": st.context_tokens, "total_tokens": s.total_tokens,
             "evicted_tokens": st.evicted_tokens, "cached_tokens": st.cached_tokens,
@@ -196,7 +210,8 @@ class Engine:
                        "pool_cached_free": self.pool.num_cached_free, "pool_free": self.pool.num_free},
             "prefix": {"queried_tokens": s.seq.queried_tokens, "hit_tokens": s.seq.cached_tokens},
             "kv_bytes": len(s.seq.block_ids) * self.runner.bytes_per_block,
-            "items": s.num_items, "resident": s.resident,
+            "items": s.num_items, "resident": s.resident, "tier": s.tier,
+            "on_disk": self.pager is not None and self.pager.on_disk(s),
         }
 
     def _get(self, session_id: str) -> EngineSession:
@@ -214,9 +229,92 @@ class Engine:
             s.pending.append(work)
 
     def _wake(self, s: EngineSession) -> None:
-        if not s.resident:
-            s.pending.appendleft(Pending(s.dropped_tokens))
-            s.resident, s.dropped_tokens = True, []
+        """Its context is about to change: bring its KV back up, or rebuild it from its tokens."""
+        self._changed(s)
+        if s.resident or (self.pager is not None and self.pager.page_in(s, self._room_for(s))):
+            return
+        if self.pager is not None:
+            self.pager.discard(s)
+        s.pending.appendleft(Pending(s.dropped_tokens))
+        s.resident, s.dropped_tokens, s.tier = True, [], "device"
+
+    @staticmethod
+    def _changed(s: EngineSession) -> None:
+        s.kv_version += 1  # saved copies of the old context are no longer current
+        s.transcript_mark = None
+
+    def _room_for(self, s: EngineSession):
+        """make_free(n) for a page-in: idle sessions page down until n device blocks are free."""
+        return lambda n: self.scheduler.make_free(n, list(self.sessions.values()), s)
+
+    # -- tiers (engine thread only) -------------------------------------------------
+
+    def prefetch(self, session_id: str) -> str:
+        """A client attached: bring its KV up before its first item; the tier it came from.
+
+        A session dropped to its tokens starts its rebuild now, in the background.
+        """
+        s = self._get(session_id)
+        origin = s.tier
+        if origin in ("host", "disk") and not s.busy and self.pager.page_in(s, self._room_for(s)):
+            return origin
+        if s.tier == "dropped":  # never had a lower-tier copy, or its file was refused
+            self._wake(s)
+            return "dropped"
+        return s.tier
+
+    def restore_saved(self, session_id: str, instructions: str, messages: list[tuple[str, str, bool]],
+                      snap: Snapshot) -> str | None:
+        """Open a session from its saved KV; None on success, else why not (then it is not opened).
+
+        `messages` are its transcript items as for `restore_session`, which
+        give the chat state (open item, item count); the KV comes from `snap`.
+        """
+        if session_id in self.sessions:
+            raise EngineError("invalid_event", f"session {session_id} is already open")
+        state = snap.state
+        prefix = self._system_tokens(instructions)
+        pinned = len(prefix) if self.cache_cfg.pin_system_prompt else 0
+        if state.token_ids[:len(prefix)] != prefix or state.pinned_tokens != pinned:
+            return "prompt"
+        s = EngineSession(session_id, self.manager.new_seq(pinned), pinned, last_active=self.clock())
+        kv = self.runner.kv_caches
+        seq = self.pager.to_device(state, lambda rows, ids: kvfile.scatter(snap.tensors, rows, kv, ids),
+                                   self._room_for(s))
+        if seq is None:
+            return "no_room"
+        s.seq, s.total_tokens, s.transcript_mark = seq, state.total_tokens, snap.mark
+        s.open_item = bool(messages) and not messages[-1][2]
+        s.num_items = len(messages)
+        self.sessions[session_id] = s
+        self.pager.disk.adopt(session_id, s.kv_version)
+        self.pager.moves[("disk", "device")] += 1
+        return None
+
+    def checkpoint_candidates(self, idle_s: float) -> list[str]:
+        """Sessions idle for `idle_s` whose current state is not on disk with a transcript mark."""
+        if self.pager is None or self.pager.disk is None:
+            return []
+        now = self.clock()
+        return [s.session_id for s in self.sessions.values()
+                if not s.busy and now - s.last_active >= idle_s and s.tier != "dropped"
+                and not (self.pager.on_disk(s) and s.transcript_mark is not None)]
+
+    def checkpoint(self, session_id: str, mark: str) -> bool:
+        """Save an idle session to disk, stamped with the transcript it matches."""
+        s = self.sessions.get(session_id)
+        return s is not None and self.pager is not None and self.pager.checkpoint(s, mark)
+
+    def persist(self, marks: dict[str, str], timeout_s: float = 10.0) -> int:
+        """Shutdown: finish queued prefill, then save the listed sessions to disk; returns how many."""
+        if self.pager is None or self.pager.disk is None:
+            return 0
+        deadline = time.monotonic() + timeout_s
+        while self.has_work() and time.monotonic() < deadline:
+            self.step()
+        saved = sum(1 for sid, mark in marks.items() if self.checkpoint(sid, mark))
+        self.pager.flush()
+        return saved
 
     # -- the step -------------------------------------------------------------
 
@@ -308,8 +406,10 @@ class Engine:
         }
 
     def check(self) -> None:
-        """Assert the pool and every session's table agree."""
+        """Assert the pool and every session's table agree, and the tiers hold what they say."""
         self.manager.check([s.seq for s in self.sessions.values()])
+        if self.pager is not None:
+            self.pager.check(self.sessions.values())
 
 
 def _eos_ids(hf_config, tokenizer) -> set[int]:

@@ -39,6 +39,7 @@ class Scheduler:
         self.cfg = cfg
         self.manager = manager
         self.stats = SchedulerStats()
+        self.pager = None  # the engine's tiers: idle sessions move down instead of being dropped
         self._rr = 0  # round-robin start for prefill
 
     def schedule(self, sessions: list[EngineSession]) -> Scheduled:
@@ -188,14 +189,27 @@ class Scheduler:
         self.stats.preemptions += 1
         return busy[-1]  # the newest
 
+    def make_free(self, num_blocks: int, sessions: list[EngineSession], me: EngineSession) -> bool:
+        """True once `num_blocks` blocks are free; idle sessions give theirs up, least recent first."""
+        while self.manager.pool.num_free < num_blocks:
+            victim = self._idle_victim(sessions, me)
+            if victim is None:
+                return False
+            self.drop(victim)
+        return True
+
     def drop(self, s: EngineSession) -> None:
-        """Give up the session's blocks; its tokens are rebuilt when next needed."""
+        """Give up the session's blocks: an idle one moves down a tier if one takes it, else
+        (and a busy one always) keeps only its tokens, rebuilt when next needed."""
+        if not s.busy and self.pager is not None and self.pager.page_out(s):
+            log.debug("session %s moved to the %s tier", s.session_id, s.tier)
+            return
         tokens = list(s.seq.token_ids)
         self.manager.free(s.seq)
         s.seq = self.manager.new_seq(s.pinned_tokens)
         if s.busy:
             s.pending.appendleft(Pending(tokens))
         else:
-            s.resident, s.dropped_tokens = False, tokens
+            s.resident, s.dropped_tokens, s.tier = False, tokens, "dropped"
             self.stats.idle_drops += 1
         log.debug("session %s gave up its blocks (%d tokens)", s.session_id, len(tokens))

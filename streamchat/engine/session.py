@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from streamchat.cache.manager import SeqCache
 
+TIERS = ("device", "host", "disk", "dropped")  # where a session's KV can be (dropped: tokens only)
+
 
 @dataclass
 class Pending:
@@ -61,6 +63,10 @@ class EngineSession:
     last_active: float = 0.0
     resident: bool = True  # False: blocks given up; `seq.token_ids` rebuilt on next use
     dropped_tokens: list[int] = field(default_factory=list)
+    tier: str = "device"  # where its KV is: device, host, disk, or dropped (tokens only)
+    parked: object = None  # its SeqState while in the host or disk tier
+    kv_version: int = 0  # bumped whenever its context changes: tells current saved copies from old
+    transcript_mark: str | None = None  # the stored transcript its context matches, if known
     total_tokens: int = 0
     computed_this_turn: int = 0
     num_items: int = 0

@@ -2,8 +2,10 @@
 
 Owns start-up (load the model, migrate the store, bind the port), the plain
 HTTP answers on the websocket port (/healthz, /metrics, 401, 403, 404, 405,
-503), and shutdown on SIGTERM/SIGINT: stop accepting, end running responses
-(stored incomplete), close sockets with 1001, flush the store, exit 0.
+503), saving idle sessions to disk now and then, and shutdown on
+SIGTERM/SIGINT: stop accepting, end running responses (stored incomplete),
+close sockets with 1001, save every session's KV to disk, flush the store,
+exit 0.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Daemon:
         from streamchat.server.metrics import DaemonMetrics
         from streamchat.server.sessions import Hub
         from streamchat.store import AsyncStore, Store
+        from streamchat.tiers.disk import default_data_dir
 
         cfg = self.config
         store = Store(cfg.store.url)
@@ -49,7 +52,9 @@ class Daemon:
         self.store = AsyncStore(store)
         loaded = await asyncio.to_thread(load_model, cfg.model)
         runner = await asyncio.to_thread(ModelRunner, loaded, cfg.cache)
-        engine = Engine(runner, cfg.cache, cfg.scheduler)
+        data_dir = cfg.tiers.data_dir or default_data_dir(cfg.store.url)
+        engine = await asyncio.to_thread(Engine, runner, cfg.cache, cfg.scheduler, tiers=cfg.tiers,
+                                         data_dir=data_dir)
         self.model_name = loaded.source.name
         self.aengine = AsyncEngine(engine, cfg.model.num_threads)
         self.aengine.start()
@@ -64,6 +69,31 @@ class Daemon:
         self.port = self.server.sockets[0].getsockname()[1]
         log.info("serving %s on ws://%s:%d%s (%d KV blocks of %d tokens)", self.model_name, s.host, self.port,
                  REALTIME_PATH, engine.pool.num_usable, cfg.cache.block_size)
+        self._log_tiers(engine)
+        self.checkpoints = None
+        if engine.pager is not None and engine.pager.disk is not None and cfg.tiers.checkpoint_idle_s:
+            self.checkpoints = asyncio.create_task(self._checkpoint_loop(cfg.tiers.checkpoint_idle_s))
+
+    def _log_tiers(self, engine) -> None:
+        pager = engine.pager
+        host = pager and pager.host
+        disk = pager and pager.disk
+        log.info("session tiers: host %s, disk %s",
+                 f"{host.capacity} blocks" if host else "off",
+                 f"{disk.root} (budget {self.config.tiers.disk_tier_gib:g} GiB)" if disk else "off")
+
+    async def _checkpoint_loop(self, idle_s: float) -> None:
+        """Sessions idle for `idle_s` get a copy on disk, so even kill -9 loses no KV."""
+        while True:
+            try:
+                await asyncio.wait_for(self.stopping.wait(), timeout=min(idle_s, 5.0))
+                return
+            except TimeoutError:
+                pass
+            try:
+                await self.hub.checkpoint_idle(idle_s)
+            except Exception:
+                log.exception("checkpointing idle sessions failed")
 
     def _origins(self):
         allowed = self.config.server.allowed_origins
@@ -113,6 +143,7 @@ class Daemon:
                 "kv_blocks": {"free": eng.pool.num_free, "total": eng.pool.num_usable,
                               "block_size": self.config.cache.block_size},
                 "kv_bytes_per_token": eng.runner.bytes_per_token,
+                "tiers": _tiers_health(eng.pager),
                 "sessions": len(self.hub.sessions), "connections": len(self.connections)}
 
     # -- websocket ----------------------------------------------------------------
@@ -133,7 +164,8 @@ class Daemon:
             log.info("connection from %s closed (%s)", peer[0] if peer else "?", websocket.close_code)
 
     async def shutdown(self) -> None:
-        """Stop accepting, end responses (stored incomplete), close with 1001, flush the store."""
+        """Stop accepting, end responses (stored incomplete), close with 1001, save every
+        session's KV to disk, flush the store."""
         self.stopping.set()
         self.server.close(close_connections=False)
         for conn in list(self.connections):
@@ -144,7 +176,18 @@ class Daemon:
                 await asyncio.gather(task, return_exceptions=True)
             await conn.ws.close(1001, "server shutting down")
         await self.server.wait_closed()
+        if self.checkpoints is not None:
+            self.checkpoints.cancel()
+            await asyncio.gather(self.checkpoints, return_exceptions=True)
+        if self.aengine.failed is None:
+            try:
+                await self.hub.persist_all()
+            except Exception:
+                log.exception("saving sessions to disk failed; they will be rebuilt from their transcripts")
         await self.aengine.stop()
+        pager = self.aengine.engine.pager
+        if pager is not None:
+            await asyncio.to_thread(pager.close)
         await self.store.aclose()
 
 
@@ -183,3 +226,11 @@ def _json(status: http.HTTPStatus, doc: dict) -> Response:
     body = orjson.dumps(doc)
     h = Headers({"Content-Type": "application/json", "Content-Length": str(len(body))})
     return Response(status.value, status.phrase, h, body)
+
+
+def _tiers_health(pager) -> dict:
+    if pager is None:
+        return {"host": None, "disk": None}
+    host, disk = pager.host, pager.disk
+    return {"host": {"blocks_used": host.pool.num_used, "blocks_total": host.capacity} if host else None,
+            "disk": {"files": disk.num_files, "bytes": disk.num_bytes, "budget_bytes": disk.budget} if disk else None}

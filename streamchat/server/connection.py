@@ -114,6 +114,7 @@ class Connection:
         if old is not target:
             await self.hub.detach(old)
         self.send(ev.session_resumed(self.hub.describe(target), restored_from))
+        self.metrics.resumed(restored_from)
 
     async def on_ItemCreate(self, e: p.ItemCreate) -> None:
         s = self.session

@@ -11,6 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from streamchat.engine.session import TIERS
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -28,6 +30,8 @@ class DaemonMetrics:
                                   ["status"], registry=self.registry)
         self._errors = Counter("streamchat_errors_total", "Error events sent, by code", ["code"],
                                registry=self.registry)
+        self._resumes = Counter("streamchat_resumes_total", "Sessions resumed, by where their KV came from",
+                                ["restored_from"], registry=self.registry)
         self.connections = 0
         self.registry.register(_EngineCollector(self))
         engine.metrics.observers.append(self._observe)
@@ -40,6 +44,9 @@ class DaemonMetrics:
 
     def errors(self, code: str) -> None:
         self._errors.labels(code).inc()
+
+    def resumed(self, restored_from: str) -> None:
+        self._resumes.labels(restored_from).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -84,6 +91,8 @@ class _EngineCollector:
         yield CounterMetricFamily("streamchat_tokens_total", "Tokens computed", value=eng.metrics.tokens)
         yield CounterMetricFamily("streamchat_step_seconds_total", "Time spent in model steps",
                                   value=eng.metrics.step_seconds)
+        if eng.pager is not None:
+            yield from _tier_metrics(eng, sessions)
 
 
 def _gauge(name: str, doc: str, label: str, values: dict) -> GaugeMetricFamily:
@@ -91,3 +100,41 @@ def _gauge(name: str, doc: str, label: str, values: dict) -> GaugeMetricFamily:
     for key, value in values.items():
         g.add_metric([key], value)
     return g
+
+
+def _tier_metrics(eng, sessions):
+    """Sessions and bytes per tier, moves between tiers, saved files refused."""
+    pager, per_block = eng.pager, eng.runner.bytes_per_block
+    host, disk = pager.host, pager.disk
+    tiers = [s.tier for s in sessions]
+    yield _gauge("streamchat_tier_sessions", "Sessions by where their KV is (dropped: tokens only)", "tier",
+                 {t: tiers.count(t) for t in TIERS})
+    used = {"device": eng.pool.num_used * per_block}
+    capacity = {"device": eng.pool.num_usable * per_block}
+    if host is not None:
+        used["host"], capacity["host"] = host.pool.num_used * per_block, host.capacity * per_block
+    if disk is not None:
+        used["disk"], capacity["disk"] = disk.num_bytes, disk.budget
+    yield _gauge("streamchat_tier_bytes", "Bytes held per tier (disk: every saved file)", "tier", used)
+    yield _gauge("streamchat_tier_capacity_bytes", "Size of each tier", "tier", capacity)
+    moves = CounterMetricFamily("streamchat_tier_moves_total", "Sessions moved between tiers",
+                                labels=["from_tier", "to_tier"])
+    for (src, dst), n in list(pager.moves.items()):
+        moves.add_metric([src, dst], n)
+    yield moves
+    failures = CounterMetricFamily("streamchat_tier_load_failures_total",
+                                   "Saved session files not used, by reason", labels=["reason"])
+    for reason, n in list(pager.load_failures.items()):
+        failures.add_metric([reason], n)
+    yield failures
+    if disk is not None:
+        yield GaugeMetricFamily("streamchat_tier_disk_files", "Saved session files", value=disk.num_files)
+        yield CounterMetricFamily("streamchat_tier_disk_writes_total", "Session files written",
+                                  value=disk.num_writes)
+        yield CounterMetricFamily("streamchat_tier_disk_written_bytes_total", "Bytes of session files written",
+                                  value=disk.num_written_bytes)
+        yield CounterMetricFamily("streamchat_tier_disk_write_failures_total", "Session file writes that failed",
+                                  value=disk.num_write_failures)
+        yield CounterMetricFamily("streamchat_tier_disk_deletions_total",
+                                  "Session files deleted to keep the data directory within its budget",
+                                  value=disk.num_deletions)

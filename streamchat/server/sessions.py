@@ -3,25 +3,43 @@
 Owns the map of sessions the daemon holds (attached to sockets or idle),
 their protocol-level state (instructions, open item, running response), and
 keeping the store and the engine in step: a session is stored on its first
-item or update; a resumed one comes back from memory or is rebuilt from its
-transcript. Knows nothing about websockets or frames.
+item or update; a resumed one comes back from memory (prefetched from a lower
+tier), from its saved file on disk, or is rebuilt from its transcript. It
+also stamps saved files with the transcript they match (`transcript_mark`),
+so a file the transcript has moved past is never used. Knows nothing about
+websockets or frames.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from dataclasses import dataclass, field
 
 from streamchat.engine.async_engine import AsyncEngine
 from streamchat.server.events import new_id, session_object
 from streamchat.store import AsyncStore, hash_token, new_resume_token, verify_token
+from streamchat.tiers import KVFileError
 
 log = logging.getLogger(__name__)
 
 
 class SessionNotFound(Exception):
     """Unknown id or wrong token: the two are indistinguishable by design."""
+
+
+def transcript_mark(instructions: str, items) -> str:
+    """Names the stored state of a session: its instructions and every item's id, status, size.
+
+    A saved KV file carries the mark of the transcript it was taken from; a
+    resume uses the file only when the store still gives the same mark.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(instructions.encode())
+    for i in items:
+        h.update(f"\0{i.item_id}\0{i.kind}\0{i.status}\0{len(i.text)}\0{i.num_tokens}".encode())
+    return h.hexdigest()
 
 
 @dataclass
@@ -49,6 +67,7 @@ class Hub:
         self.model_name = model_name
         self.cache_cfg = cache_cfg
         self.sessions: dict[str, LiveSession] = {}
+        self._resuming: dict[str, tuple[asyncio.Lock, int]] = {}  # one restore at a time per id, and its users
 
     def describe(self, s: LiveSession, with_token: bool = False) -> dict:
         return session_object(
@@ -87,16 +106,35 @@ class Hub:
             await self.ensure_stored(s)
 
     async def resume(self, session_id: str, token: str) -> tuple[LiveSession, str]:
-        """The session and where it came from: memory or transcript."""
+        """The session and where it came from: memory, disk or transcript.
+
+        A session still in the daemon is prefetched to the device from a
+        lower tier before this returns, so its first item finds it there.
+        """
+        lock, users = self._resuming.get(session_id, (asyncio.Lock(), 0))
+        self._resuming[session_id] = (lock, users + 1)
+        try:
+            async with lock:
+                return await self._resume(session_id, token)
+        finally:
+            lock, users = self._resuming[session_id]
+            if users == 1:
+                del self._resuming[session_id]
+            else:
+                self._resuming[session_id] = (lock, users - 1)
+
+    async def _resume(self, session_id: str, token: str) -> tuple[LiveSession, str]:
         live = self.sessions.get(session_id)
         if live is not None:
             if not (live.stored and verify_token(token, live.token_hash)):
                 raise SessionNotFound
-            return live, "memory"
+            origin = await self.engine.call(self.engine.engine.prefetch, session_id)
+            return live, "disk" if origin == "disk" else "memory"
         record = await self.store.get_session(session_id)
         if record is None or not verify_token(token, record.token_hash):
             raise SessionNotFound
         items = await self.store.items(session_id)
+        mark = transcript_mark(record.instructions, items)
         s = LiveSession(record.id, record.token_hash, None, record.instructions,
                         record.settings.get("max_output_tokens", "inf"), stored=True)
         s.last_item_id = items[-1].item_id if items else None
@@ -104,9 +142,57 @@ class Hub:
         s.open_item_id = open_items[-1].item_id if open_items else None
         await self._close_interrupted(items)
         messages = [(i.role, i.text, i.item_id != s.open_item_id) for i in items if i.text or i.kind != "response"]
-        await self.engine.call(self.engine.engine.restore_session, s.id, s.instructions, messages)
+        restored_from = "disk" if await self._restore_saved(s, messages, mark) else "transcript"
+        if restored_from == "transcript":
+            await self.engine.call(self.engine.engine.restore_session, s.id, s.instructions, messages)
         self.sessions[s.id] = s
-        return s, "transcript"
+        return s, restored_from
+
+    async def _restore_saved(self, s: LiveSession, messages, mark: str) -> bool:
+        """Load the session's saved KV if its file is whole, ours, and matches the transcript."""
+        pager = self.engine.engine.pager
+        if pager is None or pager.disk is None:
+            return False
+        try:  # read and checked off the engine thread: other sessions keep streaming
+            snap = await asyncio.to_thread(pager.disk.load, s.id, mark)
+            reason = await self.engine.call(self.engine.engine.restore_saved, s.id, s.instructions, messages, snap)
+            if reason is not None:
+                raise KVFileError(reason, "the saved KV does not fit this session now"
+                                  if reason == "prompt" else "no room in the KV pool")
+        except KVFileError as exc:
+            pager.note_failure(exc.reason)
+            log.warning("session %s: saved KV not used (%s); rebuilding it from the transcript", s.id, exc)
+            return False
+        log.info("session %s: KV loaded from disk (%d tokens)", s.id, len(snap.state.token_ids))
+        return True
+
+    async def checkpoint_idle(self, idle_s: float) -> int:
+        """Save sessions idle for `idle_s` to disk with their transcript mark; returns how many."""
+        eng = self.engine.engine
+        saved = 0
+        for sid in await self.engine.call(eng.checkpoint_candidates, idle_s):
+            s = self.sessions.get(sid)
+            if s is None or not s.stored or s.response_id is not None or s.lock.locked():
+                continue
+            async with s.lock:  # no event of this session runs: the store holds all it has seen
+                if s.response_id is None:
+                    mark = await self._mark(s)
+                    saved += await self.engine.call(eng.checkpoint, sid, mark)
+        return saved
+
+    async def persist_all(self) -> int:
+        """Shutdown: every stored session to disk, stamped with its transcript mark."""
+        eng = self.engine.engine
+        if eng.pager is None or eng.pager.disk is None:
+            return 0
+        marks = {s.id: await self._mark(s) for s in list(self.sessions.values()) if s.stored}
+        saved = await self.engine.call(eng.persist, marks)
+        log.info("saved %d of %d sessions to %s", saved, len(marks), eng.pager.disk.root)
+        return saved
+
+    async def _mark(self, s: LiveSession) -> str:
+        record = await self.store.get_session(s.id)
+        return transcript_mark(record.instructions if record else s.instructions, await self.store.items(s.id))
 
     async def _close_interrupted(self, items) -> None:
         """Responses that were running when the daemon died are stored incomplete."""

@@ -1,0 +1,280 @@
+"""The disk tier: one file per saved session in a data directory, within a byte budget.
+
+Owns the directory: file names (never taken from client input unchecked),
+the index of what is there (size, last use, and for copies written by this
+process the session version they hold), deleting the least recently used
+files beyond the budget, removing half-written temp files on start, and the
+one background thread that writes. Saving hands a snapshot to that thread
+and returns at once; until it is on disk, `load` serves it from memory.
+The file format is `kvfile`'s. Thread-safe: the engine thread saves and
+loads, the event loop's worker threads load, the writer thread writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamchat.config import ConfigError
+from streamchat.tiers import kvfile
+from streamchat.tiers.kvfile import ANY_MARK, KVFileError, KVLayout, Snapshot
+
+log = logging.getLogger(__name__)
+
+SESSION_ID = re.compile(r"sess_[0-9a-f]{32}")
+MAX_PENDING_BYTES = 1 << 30  # snapshots waiting for the writer; save() waits beyond this
+
+
+def file_name(session_id: str) -> str:
+    """A server-made id as is; anything else by hash, so no input names a path."""
+    if SESSION_ID.fullmatch(session_id):
+        return session_id + kvfile.SUFFIX
+    return "h" + hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest() + kvfile.SUFFIX
+
+
+def default_data_dir(store_url: str) -> Path:
+    """Next to the SQLite file (`x.db` -> `x.kv/`), else $XDG_DATA_HOME/streamchat/kv."""
+    prefix = "sqlite:///"
+    if store_url.startswith(prefix):
+        db = store_url[len(prefix):].split("?")[0]
+        if db and db != ":memory:":
+            p = Path(db)
+            return p.with_name(p.stem + ".kv")
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "streamchat" / "kv"
+
+
+@dataclass
+class Copy:
+    """A file on disk or on its way there."""
+
+    size: int
+    last_used: float  # wall clock, persisted as the file's mtime
+    version: int | None = None  # the engine session version it holds (this process only)
+    mark: str | None = None
+
+
+@dataclass
+class _Job:
+    snapshot: Snapshot
+    copy: Copy
+    started: bool = False
+    cancelled: bool = False
+
+
+class DiskTier:
+    def __init__(self, root: Path, budget_bytes: int, layout: KVLayout, clock=time.time) -> None:
+        self.root = Path(root)
+        self.budget = budget_bytes
+        self.layout = layout
+        self.clock = clock
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            probe = self.root / f".probe{kvfile.TMP_SUFFIX}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(f"data_dir {self.root} is not a writable directory: {exc.strerror}") from None
+        self._lock = threading.Condition()
+        self._files: OrderedDict[str, Copy] = OrderedDict()  # least recently used first
+        self._pending: dict[str, _Job] = {}  # name -> the newest snapshot not yet written
+        self._queue: list[str] = []
+        self.num_writes = self.num_written_bytes = self.num_write_failures = self.num_deletions = 0
+        self._remove_temp_files()
+        self._scan()
+        with self._lock:
+            self._enforce_budget(keep=None)
+        self._thread = threading.Thread(target=self._run, name="streamchat-disk-tier", daemon=True)
+        self._stopping = False
+        self._thread.start()
+
+    # -- figures ----------------------------------------------------------------------
+
+    @property
+    def num_files(self) -> int:
+        with self._lock:
+            return len(self._files) + sum(1 for n in self._pending if n not in self._files)
+
+    @property
+    def num_bytes(self) -> int:
+        with self._lock:
+            return sum(c.size for c in self._files.values()) + sum(
+                j.copy.size for n, j in self._pending.items() if n not in self._files)
+
+    def path(self, session_id: str) -> Path:
+        return self.root / file_name(session_id)
+
+    # -- engine side ------------------------------------------------------------------
+
+    def save(self, snap: Snapshot, version: int | None = None) -> bool:
+        """Queue `snap` for writing (the newest of a session wins); False if over the budget.
+
+        Waits while the snapshots queued before it hold more than
+        MAX_PENDING_BYTES, so a burst of saves (shutdown) cannot exhaust memory.
+        """
+        size = snap.nbytes
+        if size > self.budget:
+            return False
+        name = file_name(snap.session_id)
+        with self._lock:
+            while self._pending and sum(j.copy.size for j in self._pending.values()) + size > MAX_PENDING_BYTES:
+                self._lock.wait()
+            old = self._pending.get(name)
+            if old is not None and not old.started:
+                old.cancelled = True
+            self._pending[name] = _Job(snap, Copy(size, self.clock(), version, snap.mark))
+            self._queue.append(name)
+            self._lock.notify_all()
+        return True
+
+    def copy_of(self, session_id: str) -> Copy | None:
+        """What the disk tier holds for the session (written or on its way), if anything."""
+        name = file_name(session_id)
+        with self._lock:
+            job = self._pending.get(name)
+            return job.copy if job is not None else self._files.get(name)
+
+    def adopt(self, session_id: str, version: int) -> None:
+        """The session's state now is what its file holds (it was just loaded from it)."""
+        with self._lock:
+            c = self._files.get(file_name(session_id))
+            if c is not None:
+                c.version = version
+
+    def load(self, session_id: str, mark=ANY_MARK) -> Snapshot:
+        """The session's saved snapshot, checked; KVFileError says why not."""
+        name = file_name(session_id)
+        with self._lock:
+            job = self._pending.get(name)
+            if job is not None:
+                if mark is not ANY_MARK and job.snapshot.mark != mark:
+                    raise KVFileError("stale", "the transcript changed after this copy was taken")
+                return job.snapshot
+        snap = kvfile.read(self.root / name, self.layout, session_id, mark)
+        self._touch(name)
+        return snap
+
+    def delete(self, session_id: str) -> None:
+        """Forget the session's copy: cancel its write, remove its file."""
+        name = file_name(session_id)
+        with self._lock:
+            job = self._pending.pop(name, None)
+            if job is not None:
+                job.cancelled = True
+            if self._files.pop(name, None) is not None:
+                (self.root / name).unlink(missing_ok=True)
+
+    def flush(self) -> None:
+        """Wait until every queued snapshot is written (or failed)."""
+        with self._lock:
+            while self._pending:
+                self._lock.wait()
+
+    def close(self) -> None:
+        self.flush()
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        self._thread.join()
+
+    # -- the writer thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._stopping:
+                    self._lock.wait()
+                if not self._queue:
+                    return
+                name = self._queue.pop(0)
+                job = self._pending.get(name)
+                if job is None or job.started or job.cancelled:
+                    continue
+                job.started = True
+            self._write(name, job)
+
+    def _write(self, name: str, job: _Job) -> None:
+        try:
+            size = kvfile.write_atomic(self.root / name, job.snapshot, self.layout)
+        except Exception as exc:  # a full disk, a permission: the session is rebuilt from tokens
+            size = None
+            log.warning("could not save session %s to %s: %s", job.snapshot.session_id, self.root, exc)
+        with self._lock:
+            if self._pending.get(name) is job:
+                del self._pending[name]
+            if size is None:
+                self.num_write_failures += 1
+            elif job.cancelled:
+                (self.root / name).unlink(missing_ok=True)
+                self._files.pop(name, None)
+            else:
+                self.num_writes += 1
+                self.num_written_bytes += size
+                job.copy.size = size
+                self._files[name] = job.copy
+                self._files.move_to_end(name)
+                _set_mtime(self.root / name, job.copy.last_used)
+                self._enforce_budget(keep=name)
+            self._lock.notify_all()
+
+    # -- the directory ----------------------------------------------------------------
+
+    def _touch(self, name: str) -> None:
+        now = self.clock()
+        with self._lock:
+            c = self._files.get(name)
+            if c is None:
+                return
+            c.last_used = now
+            self._files.move_to_end(name)
+        _set_mtime(self.root / name, now)
+
+    def _enforce_budget(self, keep: str | None) -> None:
+        """Delete least recently used files until the directory fits the budget (lock held)."""
+        total = sum(c.size for c in self._files.values())
+        for name in list(self._files):
+            if total <= self.budget:
+                return
+            if name == keep or name in self._pending:
+                continue
+            total -= self._files.pop(name).size
+            try:
+                (self.root / name).unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("could not delete %s from the disk tier: %s", name, exc.strerror)
+            self.num_deletions += 1
+            log.info("disk tier over its budget: deleted %s (least recently used)", name)
+
+    def _remove_temp_files(self) -> None:
+        for p in self.root.glob("." + "*" + kvfile.TMP_SUFFIX):
+            log.warning("removing half-written session file %s (a write was cut short)", p.name)
+            p.unlink(missing_ok=True)
+
+    def _scan(self) -> None:
+        found = []
+        for p in self.root.glob("*" + kvfile.SUFFIX):
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            found.append((st.st_mtime, p.name, st.st_size))
+        for mtime, name, size in sorted(found):
+            self._files[name] = Copy(size, mtime)
+        if found:
+            log.info("disk tier %s: %d saved sessions, %.1f MiB", self.root, len(found),
+                     sum(f[2] for f in found) / (1 << 20))
+
+
+def _set_mtime(path: Path, when: float) -> None:
+    """The last use survives a restart as the file's mtime."""
+    try:
+        os.utime(path, (when, when))
+    except OSError:
+        pass

@@ -1,0 +1,117 @@
+"""The host tier: idle sessions' blocks in host memory, a block pool of its own.
+
+Owns a second `BlockPool` over per-layer host tensors in the device pool's
+layout (pinned memory when the device is CUDA, so copies are DMA-able; plain
+CPU tensors otherwise, where it still lets a fixed device pool hold more
+sessions' worth of KV) and which session holds which host blocks. Full
+blocks of a pristine session keep their prefix hash here too, so sessions
+sharing a system prompt hold one host copy of it. Knows nothing about the
+policy: the pager decides who comes and goes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from streamchat.cache.block_pool import BlockPool
+from streamchat.model.attention import LayerKV
+from streamchat.tiers.kvfile import FIELDS, SeqState
+
+
+@dataclass
+class HostEntry:
+    session: object  # the EngineSession
+    block_ids: list[int]  # host block ids, table order
+    state: SeqState
+    block_hashes: list[int]  # prefix hashes of the leading full blocks (pristine only)
+
+
+def copy_blocks(src_caches, src_ids: list[int], dst_caches, dst_ids: list[int]) -> None:
+    """Copy blocks between two pools of the same layout (on any devices)."""
+    if not src_ids:
+        return
+    for src, dst in zip(src_caches, dst_caches):
+        si = torch.tensor(src_ids, dtype=torch.long, device=src.key.device)
+        di = torch.tensor(dst_ids, dtype=torch.long, device=dst.key.device)
+        for s, d in zip(src, dst):
+            if s is not None:
+                d.index_copy_(0, di, s.index_select(0, si).to(d.device))
+
+
+class HostTier:
+    def __init__(self, device_caches, num_blocks: int, block_size: int) -> None:
+        pin = device_caches[0].key.device.type == "cuda"
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks + 1)  # + the null block
+        self.caches = [LayerKV(*(None if t is None else
+                                 torch.empty((num_blocks + 1, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+                                 for t in kv)) for kv in device_caches]
+        self.entries: OrderedDict[str, HostEntry] = OrderedDict()  # least recently paged out first
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.num_usable
+
+    def blocks_needed(self, state: SeqState, block_hashes: list[int]) -> int:
+        """Free host blocks `put` would consume: new copies, plus cached blocks it revives."""
+        need = 0
+        for idx in range(state.num_blocks(self.block_size)):
+            block_id = self._cached(state, block_hashes, idx)
+            need += block_id is None or self.pool.ref_counts[block_id] == 0
+        return need
+
+    def put(self, session, state: SeqState, block_hashes: list[int], device_caches,
+            device_ids: list[int]) -> HostEntry:
+        """Copy the session's device blocks in; blocks already here by prefix hash are shared."""
+        ids, src, dst = [], [], []
+        bs = self.block_size
+        for idx, device_id in enumerate(device_ids):
+            block_id = self._cached(state, block_hashes, idx)
+            if block_id is not None:
+                self.pool.touch(block_id)
+            else:
+                block_id = self.pool.allocate()
+                src.append(device_id)
+                dst.append(block_id)
+                if idx < len(block_hashes):
+                    self.pool.register(block_id, block_hashes[idx], tuple(state.token_ids[idx * bs:(idx + 1) * bs]))
+            ids.append(block_id)
+        copy_blocks(device_caches, src, self.caches, dst)
+        entry = HostEntry(session, ids, state, list(block_hashes))
+        self.entries[session.session_id] = entry
+        return entry
+
+    def _cached(self, state: SeqState, block_hashes: list[int], idx: int) -> int | None:
+        if idx >= len(block_hashes):
+            return None
+        bs = self.block_size
+        return self.pool.lookup(block_hashes[idx], tuple(state.token_ids[idx * bs:(idx + 1) * bs]))
+
+    def oldest(self) -> HostEntry | None:
+        return next(iter(self.entries.values()), None)
+
+    def release(self, entry: HostEntry) -> None:
+        """Forget the entry and drop its block references (tail first; hashed blocks stay findable)."""
+        self.entries.pop(entry.session.session_id, None)
+        for block_id in reversed(entry.block_ids):
+            self.pool.free(block_id)
+
+    def gather(self, entry: HostEntry, rows: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """The entry's blocks (or some rows of its table) as snapshot tensors."""
+        ids = entry.block_ids if rows is None else [entry.block_ids[r] for r in rows]
+        idx = torch.tensor(ids, dtype=torch.long)
+        return {f"{name}.{layer}": t.index_select(0, idx)
+                for layer, kv in enumerate(self.caches) for name, t in zip(FIELDS, kv) if t is not None}
+
+    def check(self) -> None:
+        """Assert the pool holds and the entries reference the same blocks."""
+        self.pool.check()
+        refs = [0] * self.pool.num_blocks
+        for entry in self.entries.values():
+            assert len(entry.block_ids) == entry.state.num_blocks(self.block_size)
+            for block_id in entry.block_ids:
+                refs[block_id] += 1
+        assert refs == self.pool.ref_counts, "host entries and host ref counts disagree"

@@ -1,0 +1,314 @@
+"""The saved-session file: one self-contained, checked safetensors file per session.
+
+Owns the format, writing it atomically and reading it back with every check
+that decides whether its KV may be used. Knows nothing about pools, sessions
+or the engine: it is handed a `Snapshot` (the session's blocks copied out in
+table order, plus the state that goes with them) and hands one back.
+
+    file  = safetensors: u64 header length | JSON header | tensor bytes
+    tensors   key.{layer}, value.{layer}        (num_blocks, block_size, kv_heads, head_dim*)
+              k_scale.{layer}, v_scale.{layer}  scales, only for --kv-dtype int8 / fp8 / int4
+              row i is the session's block i: cache positions i*block_size .. +block_size-1
+              (* head_dim / 2 for int4: two values a byte)
+    metadata  "streamchat": the header below, JSON
+              "checksum":   "blake2b-128:" + hex over the header JSON and, by name, each
+                            tensor's name, dtype, shape and bytes
+
+    header    format "streamchat.kv", version 1, session_id, written_at (unix s),
+              transcript_mark (what the store held when it was written; null if unknown),
+              layout: model_fingerprint, model_dtype, kv_dtype, block_size, sink_tokens,
+                      window_tokens, pin_system_prompt, num_layers, num_kv_heads, head_dim
+              state:  token_ids (cache order: token i sits at cache position i),
+                      num_sink_blocks, pinned_tokens, pristine, evicted_tokens,
+                      total_tokens, cached_tokens, queried_tokens
+
+Keys are stored before rotary embedding and rotated by cache position when
+attended, so the blocks may go back into any physical blocks, in this order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+FORMAT = "streamchat.kv"
+VERSION = 1
+SUFFIX = ".safetensors"
+TMP_SUFFIX = ".tmp"
+FIELDS = ("key", "value", "k_scale", "v_scale")  # LayerKV order
+MAX_HEADER_BYTES = 64 << 20
+# Why a saved file was not used; also the `reason` label of the load-failure metric.
+REASONS = ("missing", "unreadable", "truncated", "version", "foreign", "checksum", "inconsistent",
+           "stale", "prompt", "no_room")
+
+
+class KVFileError(Exception):
+    """A saved file that must not be used; `reason` is one of REASONS."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in REASONS, reason
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Everything a block's bytes depend on besides the tokens: must match to reuse a file."""
+
+    model_fingerprint: str
+    model_dtype: str
+    kv_dtype: str
+    block_size: int
+    sink_tokens: int
+    window_tokens: int
+    pin_system_prompt: bool
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, runner, cache_cfg) -> KVLayout:
+        s = runner.model.shape
+        return cls(runner.loaded.source.fingerprint, str(runner.model.dtype), runner.kv_dtype,
+                   cache_cfg.block_size, cache_cfg.sink_tokens, cache_cfg.window_tokens,
+                   cache_cfg.pin_system_prompt, s.num_layers, s.num_kv_heads, s.head_dim)
+
+
+@dataclass
+class SeqState:
+    """A session's cache apart from its tensors: what a block table is rebuilt from."""
+
+    token_ids: list[int]  # cache order
+    num_sink_blocks: int
+    pinned_tokens: int
+    pristine: bool
+    evicted_tokens: int = 0
+    total_tokens: int = 0
+    cached_tokens: int = 0
+    queried_tokens: int = 0
+
+    def num_blocks(self, block_size: int) -> int:
+        return -(-len(self.token_ids) // block_size)
+
+
+@dataclass
+class Snapshot:
+    """A session's blocks copied out of a pool, in table order, with their state."""
+
+    session_id: str
+    state: SeqState
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (num_blocks, block_size, ...)
+    mark: str | None = None  # the transcript it matches (see streamchat.server.sessions)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def gather(caches, block_ids: list[int]) -> dict[str, torch.Tensor]:
+    """Copy blocks out of per-layer pools (LayerKV) into CPU tensors, in the given order."""
+    out = {}
+    for layer, kv in enumerate(caches):
+        idx = torch.tensor(block_ids, dtype=torch.long, device=kv.key.device)
+        for name, t in zip(FIELDS, kv):
+            if t is not None:
+                out[f"{name}.{layer}"] = t.index_select(0, idx).cpu()
+    return out
+
+
+def scatter(tensors: dict[str, torch.Tensor], rows: list[int], caches, block_ids: list[int]) -> None:
+    """Write rows `rows` of snapshot tensors into pool blocks `block_ids` (same length)."""
+    for layer, kv in enumerate(caches):
+        dev = kv.key.device
+        dst = torch.tensor(block_ids, dtype=torch.long, device=dev)
+        src = torch.tensor(rows, dtype=torch.long)
+        for name, t in zip(FIELDS, kv):
+            if t is not None:
+                t.index_copy_(0, dst, tensors[f"{name}.{layer}"].index_select(0, src).to(dev))
+
+
+def expected_tensors(layout: KVLayout) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """name -> (dtype, shape after the leading num_blocks) of a file for this layout."""
+    from streamchat.kernels import quant
+
+    lead = (layout.block_size, layout.num_kv_heads)
+    if layout.kv_dtype == "auto":
+        dtype = getattr(torch, layout.model_dtype.removeprefix("torch."))
+        kinds = {"key": (dtype, (*lead, layout.head_dim)), "value": (dtype, (*lead, layout.head_dim))}
+    else:
+        width = quant.storage_head_dim(layout.kv_dtype, layout.head_dim)
+        storage = quant.STORAGE[layout.kv_dtype]
+        scale = (torch.float16 if layout.kv_dtype == "int4" else torch.float32,
+                 (*lead, *quant.scale_shape(layout.kv_dtype, layout.head_dim)))
+        kinds = {"key": (storage, (*lead, width)), "value": (storage, (*lead, width)),
+                 "k_scale": scale, "v_scale": scale}
+    return {f"{name}.{layer}": spec for layer in range(layout.num_layers) for name, spec in kinds.items()}
+
+
+# -- writing ------------------------------------------------------------------------
+
+def header_of(snap: Snapshot, layout: KVLayout) -> dict:
+    return {"format": FORMAT, "version": VERSION, "session_id": snap.session_id,
+            "written_at": round(time.time(), 3), "transcript_mark": snap.mark,
+            "layout": dataclasses.asdict(layout), "state": dataclasses.asdict(snap.state)}
+
+
+def write_atomic(path: Path, snap: Snapshot, layout: KVLayout) -> int:
+    """Write `snap` to `path` all or nothing; returns the file's size.
+
+    Temp file in the same directory, fsync, rename over `path`, fsync the
+    directory: a crash at any moment leaves the old file or the new one,
+    never a mix, plus at worst a temp file that `DiskTier` removes on start.
+    """
+    from safetensors.torch import save_file
+
+    header = json.dumps(header_of(snap, layout), sort_keys=True, separators=(",", ":"))
+    metadata = {"streamchat": header, "checksum": checksum(header, snap.tensors)}
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+    try:
+        save_file(snap.tensors, str(tmp), metadata=metadata)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path.stat().st_size
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checksum(header_json: str, tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(header_json.encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"\0{name}:{t.dtype}:{tuple(t.shape)}\0".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return "blake2b-128:" + h.hexdigest()
+
+
+# -- reading ------------------------------------------------------------------------
+
+ANY_MARK = object()  # read(): accept whatever transcript mark the file has
+
+
+def read_header(path: Path) -> tuple[dict, dict]:
+    """(our header, the raw safetensors metadata), checking the file is whole.
+
+    Reads only the safetensors header, so a foreign or stale file is refused
+    without reading its tensors.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise KVFileError("truncated", f"{size} bytes: no safetensors header")
+            n = int.from_bytes(raw, "little")
+            if n > MAX_HEADER_BYTES:
+                raise KVFileError("unreadable", f"header length {n} is not plausible")
+            blob = f.read(n)
+    except FileNotFoundError:
+        raise KVFileError("missing", f"no file {path.name}") from None
+    except OSError as exc:
+        raise KVFileError("unreadable", f"{path.name}: {exc.strerror}") from None
+    if len(blob) < n:
+        raise KVFileError("truncated", f"{size} bytes, header alone needs {8 + n}")
+    try:
+        doc = json.loads(blob)
+        meta = doc.pop("__metadata__")
+        data_end = max((int(v["data_offsets"][1]) for v in doc.values()), default=0)
+        header = json.loads(meta["streamchat"])
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise KVFileError("unreadable", f"header is not a streamchat safetensors header ({exc})") from None
+    if size < 8 + n + data_end:
+        raise KVFileError("truncated", f"{size} bytes, the header says {8 + n + data_end}")
+    if not isinstance(header, dict):
+        raise KVFileError("unreadable", "header is not a JSON object")
+    return header, meta
+
+
+def check_header(header: dict, layout: KVLayout, session_id: str, mark=ANY_MARK) -> SeqState:
+    """The state the header describes, if the file fits this daemon and this transcript."""
+    if header.get("format") != FORMAT or header.get("version") != VERSION:
+        raise KVFileError("version", f"format {header.get('format')!r} version {header.get('version')!r}, "
+                                     f"this daemon reads {FORMAT!r} version {VERSION}")
+    if header.get("session_id") != session_id:
+        raise KVFileError("foreign", f"written for session {header.get('session_id')!r}")
+    ours = dataclasses.asdict(layout)
+    theirs = header.get("layout") or {}
+    for key, value in ours.items():
+        if theirs.get(key) != value:
+            raise KVFileError("foreign", f"{key} is {theirs.get(key)!r} in the file, {value!r} here")
+    if mark is not ANY_MARK and header.get("transcript_mark") != mark:
+        raise KVFileError("stale", "the transcript changed after the file was written"
+                          if header.get("transcript_mark") else "written without a transcript mark")
+    try:
+        state = SeqState(**header["state"])
+    except (KeyError, TypeError) as exc:
+        raise KVFileError("unreadable", f"bad state in header ({exc})") from None
+    _check_state(state, layout)
+    return state
+
+
+def _check_state(state: SeqState, layout: KVLayout) -> None:
+    bs = layout.block_size
+    tokens = state.token_ids
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        if f.name != "token_ids" and type(value) is not (bool if f.name == "pristine" else int):
+            raise KVFileError("inconsistent", f"{f.name} is {value!r}")
+    if not (isinstance(tokens, list) and tokens and all(isinstance(t, int) and t >= 0 for t in tokens)):
+        raise KVFileError("inconsistent", "token_ids is not a non-empty list of token ids")
+    sink_blocks = -(-max(layout.sink_tokens, state.pinned_tokens) // bs)
+    window_cap = -(-layout.window_tokens // bs) * bs
+    if state.num_sink_blocks != sink_blocks:
+        raise KVFileError("inconsistent", f"{state.num_sink_blocks} sink blocks, the settings give {sink_blocks}")
+    if len(tokens) > sink_blocks * bs + window_cap:
+        raise KVFileError("inconsistent", f"{len(tokens)} tokens do not fit sinks + window")
+    if state.evicted_tokens < 0 or (state.evicted_tokens and state.pristine):
+        raise KVFileError("inconsistent", f"evicted_tokens {state.evicted_tokens} with pristine {state.pristine}")
+
+
+def read(path: Path, layout: KVLayout, session_id: str, mark=ANY_MARK) -> Snapshot:
+    """The snapshot in `path`, or KVFileError saying why it must not be used."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    header, meta = read_header(path)
+    state = check_header(header, layout, session_id, mark)
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise KVFileError("unreadable", f"tensors: {exc}") from None
+    if checksum(meta["streamchat"], tensors) != meta.get("checksum"):
+        raise KVFileError("checksum", "contents do not match the checksum")
+    expect = expected_tensors(layout)
+    if set(tensors) != set(expect):
+        raise KVFileError("inconsistent", f"tensors {sorted(set(tensors) ^ set(expect))[:4]} do not fit the layout")
+    num_blocks = state.num_blocks(layout.block_size)
+    for name, (dtype, tail) in expect.items():
+        t = tensors[name]
+        if t.dtype != dtype or tuple(t.shape) != (num_blocks, *tail):
+            raise KVFileError("inconsistent", f"{name} is {t.dtype} {tuple(t.shape)}, "
+                                              f"expected {dtype} {(num_blocks, *tail)}")
+    return Snapshot(session_id, state, tensors, header.get("transcript_mark"))

@@ -1,0 +1,148 @@
+"""Tests of the session tiers in the engine: idle sessions page out to host and disk and back, exactly."""
+
+import pytest
+import torch
+
+from streamchat.config import CacheConfig, Config, ModelConfig, SchedulerConfig, TierConfig
+from streamchat.engine.events import ResponseFinished
+from streamchat.llm import LLM
+from streamchat.model.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["Name a planet.", "What colour is the sky?", "Say a word for happy.",
+             "Count to three.", "Name a fruit."]
+FOLLOW_UPS = ["And another one?", "Why is that?"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_llm(loaded, num_blocks, host_blocks=0, data_dir=None, window=32):
+    per_block = 2 * 30 * 3 * 64 * 4 * 16  # SmolLM2 in float32: bytes of one 16-token block
+    cfg = Config(model=ModelConfig(dtype="float32"),
+                 cache=CacheConfig(num_blocks=num_blocks, window_tokens=window),
+                 scheduler=SchedulerConfig(max_tokens_per_step=128),
+                 tiers=TierConfig(host_tier_gib=host_blocks * per_block / (1 << 30),
+                                  disk_tier_gib=1.0 if data_dir else 0.0,
+                                  data_dir=str(data_dir) if data_dir else None))
+    llm = LLM(cfg, loaded=loaded, tiers=True)
+    assert llm.runner.bytes_per_block == per_block
+    return llm
+
+
+def turn(eng, sid, text, max_tokens=6):
+    """One user item and a greedy reply, stepped to idle with check() after every step."""
+    eng.add_item(sid, "user", text)
+    eng.check()
+    eng.start_response(sid, f"r-{sid}-{text}", SamplingParams(), max_tokens=max_tokens)
+    eng.check()
+    reply = None
+    while eng.has_work():
+        for ev in eng.step():
+            if isinstance(ev, ResponseFinished):
+                reply = list(ev.token_ids)
+        eng.check()
+    return reply
+
+
+def rounds(eng, num_sessions):
+    """Every session takes a turn in turn, three rounds; the replies by round and session."""
+    for i in range(num_sessions):
+        eng.open_session(f"s{i}", "You are terse." if i % 2 else "")
+    out = []
+    for r in range(3):
+        out.append([turn(eng, f"s{i}", QUESTIONS[i] if r == 0 else FOLLOW_UPS[r - 1])
+                    for i in range(num_sessions)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(bundled_fp32):
+    """The replies with a pool big enough that nothing ever pages out."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return rounds(make_llm(bundled_fp32, num_blocks=200).engine, 5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_tiny_pool_pages_sessions_through_host_and_disk_exactly(bundled_fp32, reference, tmp_path):
+    """5 sessions in a pool for 2, a host tier for 1: all go down and come back, every reply the same."""
+    llm = make_llm(bundled_fp32, num_blocks=9, host_blocks=5, data_dir=tmp_path)
+    eng = llm.engine
+    assert rounds(eng, 5) == reference
+    moves = eng.pager.moves
+    assert moves[("device", "host")] and moves[("host", "disk")] and moves[("host", "device")]
+    assert moves[("disk", "device")] or moves[("device", "disk")]
+    assert eng.scheduler.stats.idle_drops == 0 and eng.scheduler.stats.preemptions == 0
+    assert {s.tier for s in eng.sessions.values()} >= {"device"}
+    assert eng.session_stats("s0")["evicted_tokens"] > 0
+    for i in range(5):
+        eng.close_session(f"s{i}")
+    eng.check()
+    eng.pager.flush()
+    assert all(c == 0 for c in eng.pool.ref_counts)
+    assert all(c == 0 for c in eng.pager.host.pool.ref_counts)
+    assert list(tmp_path.iterdir()) == []
+
+
+
+def test_pristine_sessions_share_prefix_blocks_in_host_and_on_page_in(bundled_fp32):
+    """Two sessions with one system prompt: one host copy of its blocks, one device copy again after
+    a prefetch (a) and an item (b) bring them back, and the same replies as never paged out."""
+    system = ("You are a patient assistant. You answer every question in one short sentence, "
+              "you never use lists, and you end every answer with a full stop.")
+    big = make_llm(bundled_fp32, num_blocks=200, window=256)
+    small = make_llm(bundled_fp32, num_blocks=200, host_blocks=40, window=256)
+    replies = {}
+    for llm in (big, small):
+        eng = llm.engine
+        for sid, question in (("a", "Name a planet."), ("b", "Name a river.")):
+            eng.open_session(sid, system)
+            replies[llm, sid, 0] = turn(eng, sid, question)
+        a, b = eng.sessions["a"], eng.sessions["b"]
+        shared = a.pinned_tokens // 16  # the system prompt's full blocks, b took them from a
+        assert shared >= 2 and a.seq.block_ids[:shared] == b.seq.block_ids[:shared]
+        assert a.seq.block_ids[shared] != b.seq.block_ids[shared]
+        if llm is small:
+            blocks = len(a.seq.block_ids) + len(b.seq.block_ids)
+            before = list(a.seq.block_ids)
+            eng.scheduler.drop(b)
+            eng.scheduler.drop(a)
+            eng.check()
+            assert (a.tier, b.tier) == ("host", "host")
+            assert eng.pager.host.pool.num_used == blocks - shared
+            assert eng.prefetch("a") == "host" and a.tier == "device" and not a.busy  # a resume
+            eng.check()
+        for sid in ("a", "b"):
+            replies[llm, sid, 1] = turn(eng, sid, "And a star?")
+        if llm is small:
+            assert a.seq.block_ids[:shared] == before[:shared] == b.seq.block_ids[:shared]
+            assert all(eng.pool.ref_counts[i] == 2 for i in a.seq.block_ids[:shared])
+            assert eng.pager.moves[("host", "device")] == 2
+            assert eng.pager.host.pool.num_used == 0
+    assert all(replies[small, sid, k] == replies[big, sid, k] for sid in "ab" for k in (0, 1))
+
+
+def test_prefetch_of_a_dropped_session_starts_its_rebuild(bundled_fp32):
+    """With no tier to take it, an idle session keeps its tokens; a resume queues its rebuild at once."""
+    llm = make_llm(bundled_fp32, num_blocks=200)  # tiers on, but neither host memory nor a disk
+    eng = llm.engine
+    assert eng.pager is None
+    eng.open_session("a")
+    turn(eng, "a", "Name a planet.")
+    s = eng.sessions["a"]
+    tokens = list(s.seq.token_ids)
+    eng.scheduler.drop(s)
+    assert s.tier == "dropped" and eng.session_stats("a")["tier"] == "dropped"
+    assert eng.prefetch("a") == "dropped" and s.busy and list(s.pending[0].token_ids) == tokens
+    llm.drain()
+    assert s.seq.token_ids == tokens and s.tier == "device"
+    eng.check()

@@ -1,0 +1,34 @@
+"""Small layouts and snapshots for the tier tests (no model needed)."""
+
+import torch
+
+from streamchat.tiers.kvfile import KVLayout, SeqState, Snapshot, expected_tensors
+
+
+def layout(**changes) -> KVLayout:
+    base = dict(model_fingerprint="fp-test", model_dtype="torch.bfloat16", kv_dtype="auto", block_size=16,
+                sink_tokens=4, window_tokens=64, pin_system_prompt=True, num_layers=2, num_kv_heads=3,
+                head_dim=32)
+    return KVLayout(**{**base, **changes})
+
+
+def random_tensor(dtype, shape, gen):
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(0, 120, shape, generator=gen).to(dtype)
+
+
+def snapshot(lay: KVLayout, session_id="sess_" + "ab" * 16, num_tokens=40, seed=0, mark="m1") -> Snapshot:
+    gen = torch.Generator().manual_seed(seed)
+    state = SeqState(token_ids=[(7 * i + seed) % 1000 for i in range(num_tokens)], num_sink_blocks=1,
+                     pinned_tokens=0, pristine=False, evicted_tokens=32, total_tokens=num_tokens + 32)
+    num_blocks = state.num_blocks(lay.block_size)
+    tensors = {name: random_tensor(dtype, (num_blocks, *tail), gen)
+               for name, (dtype, tail) in expected_tensors(lay).items()}
+    return Snapshot(session_id, state, tensors, mark)
+
+
+def same_bytes(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and torch.equal(a[k].contiguous().view(torch.uint8), b[k].contiguous().view(torch.uint8)) for k in a)
