@@ -190,9 +190,12 @@ class Scheduler:
         return busy[-1]  # the newest
 
     def make_free(self, num_blocks: int, sessions: list[EngineSession], me: EngineSession) -> bool:
-        """True once `num_blocks` blocks are free; idle sessions give theirs up, least recent first."""
+        """True once `num_blocks` blocks are free; idle sessions give theirs up, least recent first.
+
+        Called between steps (a page-in on a request), so no chunk is in flight.
+        """
         while self.manager.pool.num_free < num_blocks:
-            victim = self._idle_victim(sessions, me)
+            victim = self._idle_victim(sessions, me, ())
             if victim is None:
                 return False
             self.drop(victim)
