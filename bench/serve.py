@@ -185,6 +185,8 @@ async def mixed(aeng, prompt: str, append_text: str, tokens: int, warmup: int) -
         "during_p50_ms": common.ms(common.percentile(during, 50)),
         "during_p99_ms": common.ms(common.percentile(during, 99)),
         "after_p50_ms": common.ms(common.percentile(after, 50)),
+        # how much the append costs the stream against its unloaded pace
+        "during_p99_over_before_p50": common.ratio(common.percentile(during, 99), common.percentile(before, 50)),
     }
 
 
@@ -366,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
               f"p99/p50 {common.fmt(mix['p99_over_p50'], 0, 2)} (target <= {TARGET_MIXED:g}); "
               f"p50 before/during/after the append {common.fmt(mix['before_p50_ms'], 0, 2)} / "
               f"{common.fmt(mix['during_p50_ms'], 0, 2)} / {common.fmt(mix['after_p50_ms'], 0, 2)} ms, "
-              f"during p99 {common.fmt(mix['during_p99_ms'], 0, 2)} ms")
+              f"during p99 {common.fmt(mix['during_p99_ms'], 0, 2)} ms "
+              f"({common.fmt(mix['during_p99_over_before_p50'], 0, 2)}x the p50 before it)")
     print(json.dumps(common.rounded({
         "bench": "serve", "model": llm.loaded.source.name, "dtype": str(llm.loaded.model.dtype),
         "device": str(llm.loaded.model.device), "kv_dtype": args.kv_dtype, "threads": torch.get_num_threads(),

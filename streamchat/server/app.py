@@ -141,7 +141,7 @@ class Daemon:
         eng = self.aengine.engine
         return {"status": "stopping" if self.stopping.is_set() else "ok", "model": self.model_name,
                 "kv_blocks": {"free": eng.pool.num_free, "total": eng.pool.num_usable,
-                              "block_size": self.config.cache.block_size},
+                              "held": _held_blocks(eng), "block_size": self.config.cache.block_size},
                 "kv_bytes_per_token": eng.runner.bytes_per_token,
                 "tiers": _tiers_health(eng.pager),
                 "sessions": len(self.hub.sessions), "connections": len(self.connections)}
@@ -209,6 +209,18 @@ def run(config: Config) -> int:
     # the event loop thread. Passive waiting costs little per step.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return asyncio.run(_serve(config))
+
+
+def _held_blocks(eng) -> int | None:
+    """Distinct pool blocks in some session's table: with `free`, what a leak check needs.
+
+    Read from the event loop while the engine thread may be changing tables:
+    exact when the engine is idle, None if a table changed under the read.
+    """
+    try:
+        return len({b for s in list(eng.sessions.values()) for b in s.seq.block_ids})
+    except RuntimeError:
+        return None
 
 
 def _select_subprotocol(connection, subprotocols):
