@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 
 from streamchat.cache.block_pool import BlockPool
 from streamchat.cache.manager import KVCacheManager

@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from streamchat.config import CacheConfig, Config, ModelConfig, SchedulerConfig
-from streamchat.engine.engine import Engine, EngineError
-from streamchat.engine.events import ItemPrefilled, ResponseFinished, TextDelta
+from streamchat.engine.engine import EngineError
+from streamchat.engine.events import ItemPrefilled, ResponseFinished
 from streamchat.llm import LLM
-from streamchat.model.runner import ModelRunner
 from streamchat.model.sampling import SamplingParams
 
 PROMPTS = [
