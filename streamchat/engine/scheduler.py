@@ -86,8 +86,8 @@ class Scheduler:
                 if limit <= 0:
                     continue
             taken = self._prefill_one(out, s, limit, sessions)
-            if keys is not None and taken:
-                keys -= taken * (s.seq.num_tokens)  # context after the chunk, the chunk included
+            if keys is not None and taken:  # the context after the chunk, the chunk included
+                keys = max(0, keys - taken * s.seq.num_tokens)
                 first = False
             budget -= taken
         return budget
@@ -95,6 +95,8 @@ class Scheduler:
     @staticmethod
     def _tokens_for_keys(context: int, keys: int, first: bool) -> int:
         """The largest n with n * (context + n) <= keys; at least 1 for the step's first chunk."""
+        if keys <= 0:
+            return 1 if first else 0
         n = int(((context * context + 4 * keys) ** 0.5 - context) / 2)
         while n > 0 and n * (context + n) > keys:
             n -= 1

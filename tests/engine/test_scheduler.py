@@ -10,10 +10,12 @@ from streamchat.engine.scheduler import Scheduler
 from streamchat.engine.session import EngineSession, Pending, Phase, Response
 
 
-@given(st.integers(0, 100_000), st.integers(1, 1_000_000), st.booleans())
+@given(st.integers(0, 100_000), st.integers(-1_000, 1_000_000), st.booleans())
 def test_tokens_for_keys_is_the_largest_fitting_chunk(context, keys, first):
     n = Scheduler._tokens_for_keys(context, keys, first)
-    if n * (context + n) > keys:
+    if keys <= 0:  # spent by an earlier chunk of the step
+        assert n == (1 if first else 0)
+    elif n * (context + n) > keys:
         assert first and n == 1  # the step's first chunk always moves
     else:
         assert (n + 1) * (context + n + 1) > keys
@@ -93,3 +95,16 @@ def test_a_session_in_this_step_is_never_the_victim_of_a_later_chunk():
     assert out.owners[0] is x and not x.busy
     assert all(a.isdisjoint(b) for i, a in enumerate(slots) for b in slots[i + 1:])
     manager.check([x.seq, y.seq])
+
+
+def test_a_forced_first_chunk_past_the_budget_leaves_none_for_the_others():
+    """The first chunk always moves, even past the budget; then nobody else prefills this step."""
+    cfg = SchedulerConfig(max_tokens_per_step=256, prefill_tokens_while_decoding=64,
+                          prefill_keys_while_decoding=100)
+    sched, manager = make(cfg)
+    a = streaming(manager)
+    b, c = appending(manager, 2048, 1000, "b"), appending(manager, 0, 50, "c")
+    out = sched.schedule([a, b, c])
+    assert [len(ch.token_ids) for ch in out.batch.prefill] == [1]
+    out = sched.schedule([a, b, c])  # round-robin: c first now, 10 tokens at no context use all 100
+    assert [len(ch.token_ids) for ch in out.batch.prefill] == [10]
