@@ -37,10 +37,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x * cos, then each half takes its rotated partner times sin in place
     (out1 -= x2 s, out2 += x1 s; the tables repeat their halves): three
     passes over x instead of the five of `x * cos + rotate_half(x) * sin`.
+    The tables are expanded over the heads first: a broadcast inner dimension
+    makes these products about twice as slow on CPU.
     """
-    half = x.shape[-1] // 2
-    s = sin[:, None, :half].to(x.dtype)  # (L, 1, D/2)
-    out = x * cos[:, None, :].to(x.dtype)
+    length, heads, dim = x.shape[-3:]
+    half = dim // 2
+    c = cos[:, None, :].to(x.dtype).expand(length, heads, dim).contiguous()
+    s = sin[:, None, :half].to(x.dtype).expand(length, heads, half).contiguous()
+    out = x * c
     out[..., :half].addcmul_(x[..., half:], s, value=-1)
     out[..., half:].addcmul_(x[..., :half], s)
     return out
@@ -76,11 +80,12 @@ def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: 
     num_seqs, max_blocks = block_tables.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     length = max_blocks * block_size
-    k = key_cache[block_tables].view(num_seqs, length, num_kv_heads, -1)
-    v = value_cache[block_tables].view(num_seqs, length, num_kv_heads, -1)
+    idx = block_tables.reshape(-1).long()  # index_select: ~5x faster than advanced indexing on CPU
+    k = key_cache.index_select(0, idx).view(num_seqs, length, num_kv_heads, -1)
+    v = value_cache.index_select(0, idx).view(num_seqs, length, num_kv_heads, -1)
     if k_scale is not None:
-        ks = k_scale[block_tables].view(num_seqs, length, *k_scale.shape[2:])
-        vs = v_scale[block_tables].view(num_seqs, length, *v_scale.shape[2:])
+        ks = k_scale.index_select(0, idx).view(num_seqs, length, *k_scale.shape[2:])
+        vs = v_scale.index_select(0, idx).view(num_seqs, length, *v_scale.shape[2:])
         k, v = quant.dequantize(k, ks, dtype), quant.dequantize(v, vs, dtype)
     return apply_rope(k, cos[:length], sin[:length]), v
 
