@@ -9,6 +9,7 @@ token ids and block ids, never tensors.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from streamchat.cache.manager import KVCacheManager
@@ -94,12 +95,11 @@ class Scheduler:
 
     @staticmethod
     def _tokens_for_keys(context: int, keys: int, first: bool) -> int:
-        """The largest n with n * (context + n) <= keys; at least 1 for the step's first chunk."""
-        if keys <= 0:
-            return 1 if first else 0
-        n = int(((context * context + 4 * keys) ** 0.5 - context) / 2)
-        while n > 0 and n * (context + n) > keys:
-            n -= 1
+        """The largest n with n * (context + n) <= keys; at least 1 for the step's first chunk.
+
+        n(c + n) <= k  <=>  (2n + c)^2 <= c^2 + 4k, so n = (isqrt(c^2 + 4k) - c) // 2.
+        """
+        n = (math.isqrt(context * context + 4 * keys) - context) // 2 if keys > 0 else 0
         return max(n, 1) if first else n
 
     @staticmethod

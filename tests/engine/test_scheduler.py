@@ -21,6 +21,11 @@ def test_tokens_for_keys_is_the_largest_fitting_chunk(context, keys, first):
         assert (n + 1) * (context + n + 1) > keys
 
 
+def streaming_cfg(keys: int = 16384) -> SchedulerConfig:
+    return SchedulerConfig(max_tokens_per_step=256, prefill_tokens_while_decoding=64,
+                           prefill_keys_while_decoding=keys)
+
+
 def make(cfg: SchedulerConfig, window=2048, blocks=1024):
     manager = KVCacheManager(BlockPool(blocks), 16, 4, window)
     return Scheduler(cfg, manager), manager
@@ -42,9 +47,7 @@ def appending(manager, cached: int, pending: int, sid="b") -> EngineSession:
 
 
 def test_long_context_chunk_is_bounded_by_attention_work_while_streaming():
-    cfg = SchedulerConfig(max_tokens_per_step=256, prefill_tokens_while_decoding=64,
-                          prefill_keys_while_decoding=16384)
-    sched, manager = make(cfg)
+    sched, manager = make(streaming_cfg())
     a, b = streaming(manager), appending(manager, cached=2048, pending=10_000)
     out = sched.schedule([a, b])
     [decode], [chunk] = out.batch.decode, out.batch.prefill
@@ -55,9 +58,7 @@ def test_long_context_chunk_is_bounded_by_attention_work_while_streaming():
 
 
 def test_short_prompt_gets_the_token_cap_while_streaming():
-    cfg = SchedulerConfig(max_tokens_per_step=256, prefill_tokens_while_decoding=64,
-                          prefill_keys_while_decoding=16384)
-    sched, manager = make(cfg)
+    sched, manager = make(streaming_cfg())
     a, c = streaming(manager), appending(manager, cached=0, pending=300, sid="c")
     out = sched.schedule([a, c])
     assert len(out.batch.prefill[0].token_ids) == 64  # 64 * 64 <= 16384: the token cap binds
@@ -72,9 +73,7 @@ def test_no_stream_means_the_whole_step_budget():
 
 
 def test_attention_budget_is_shared_across_sessions_in_a_step():
-    cfg = SchedulerConfig(max_tokens_per_step=256, prefill_tokens_while_decoding=64,
-                          prefill_keys_while_decoding=16384)
-    sched, manager = make(cfg)
+    sched, manager = make(streaming_cfg())
     a = streaming(manager)
     b, c = appending(manager, 2048, 1000, "b"), appending(manager, 2048, 1000, "c")
     first = sched.schedule([a, b, c])
@@ -99,9 +98,7 @@ def test_a_session_in_this_step_is_never_the_victim_of_a_later_chunk():
 
 def test_a_forced_first_chunk_past_the_budget_leaves_none_for_the_others():
     """The first chunk always moves, even past the budget; then nobody else prefills this step."""
-    cfg = SchedulerConfig(max_tokens_per_step=256, prefill_tokens_while_decoding=64,
-                          prefill_keys_while_decoding=100)
-    sched, manager = make(cfg)
+    sched, manager = make(streaming_cfg(keys=100))
     a = streaming(manager)
     b, c = appending(manager, 2048, 1000, "b"), appending(manager, 0, 50, "c")
     out = sched.schedule([a, b, c])
