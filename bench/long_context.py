@@ -10,7 +10,7 @@
    per-step budget, set here to the largest chunk the window allows) to each
    size in turn; at each size a greedy reply of --decode-tokens tokens is
    timed step by step (the engine's own inter-token gaps), and
-   `session_stats()["kv_bytes"]` is read.
+   `session_stats().kv_bytes` is read.
 2. transformers: the same weights and dtype with its default DynamicCache
    (unbounded), history fed in chunks, then greedy decode timed per token.
    It stops at the first size beyond the model's context
@@ -91,7 +91,7 @@ def bench_ours(config, loaded, sizes: list[int], decode_tokens: int) -> list[Row
     ids = history_ids(loaded.tokenizer, sizes[-1])
     rows, fed = [], 0
     for size in sizes:
-        have = engine.session_stats("bench")["total_tokens"]
+        have = engine.session_stats("bench").total_tokens
         piece = ids[fed:fed + max(0, size - have)]
         fed += len(piece)
         started = time.perf_counter()
@@ -99,11 +99,11 @@ def bench_ours(config, loaded, sizes: list[int], decode_tokens: int) -> list[Row
             engine.append_text("bench", loaded.tokenizer.decode(piece))
         llm.drain()
         feed_s = time.perf_counter() - started
-        history = engine.session_stats("bench")["total_tokens"]
+        history = engine.session_stats("bench").total_tokens
         samples = _decode(llm, decode_tokens, SamplingParams())
         stats = engine.session_stats("bench")
-        rows.append(Row("streamchat", size, history, stats["kv_bytes"], *_ms(samples), feed_s,
-                        history - have, f"cache holds {stats['context_tokens']} tokens"))
+        rows.append(Row("streamchat", size, history, stats.kv_bytes, *_ms(samples), feed_s,
+                        history - have, f"cache holds {stats.context_tokens} tokens"))
         print(_format(rows[-1]), file=sys.stderr, flush=True)
     engine.close_session("bench")
     return rows

@@ -14,7 +14,7 @@ stepped in this thread, exactly as the daemon's engine thread steps it.
    prompt is computed); then a second session with the same prompt and
    another question does the same (served from the first one's blocks).
    TTFT = wall time from `open_session` to the finished one-token response
-   (the engine's own `usage.timing.ttft_ms` is shown too). Medians over
+   (the engine's own `usage.ttft_ms` is shown too). Medians over
    --repeats; ratio cold / shared (target >= 10). Also the ref counts of the
    prompt's full blocks while both sessions are open (2 each when shared).
 2. KV bytes. --sessions sessions with the same prompt, each with a user
@@ -94,11 +94,11 @@ def bench_ttft(llm, prompt: str, args) -> dict:
         full = len(eng._system_tokens(system)) // bs
         t, u = one_token(llm, f"cold-{k}", system, common.PROMPTS[0])
         cold.append(t)
-        cold_engine.append(u["timing"]["ttft_ms"])
+        cold_engine.append(u.ttft_ms)
         t, u = one_token(llm, f"shared-{k}", system, common.PROMPTS[1])
         warm.append(t)
-        warm_engine.append(u["timing"]["ttft_ms"])
-        cached.append(u["input_token_details"]["cached_tokens"])
+        warm_engine.append(u.ttft_ms)
+        cached.append(u.cached_tokens)
         refs.update(eng.pool.ref_counts[b] for b in prompt_blocks(llm, f"cold-{k}", full))
         eng.close_session(f"cold-{k}")
         eng.close_session(f"shared-{k}")
@@ -142,7 +142,7 @@ def bench_kv(loaded, model_cfg, prompt: str, sharing: bool, args) -> dict:
         "sharing": sharing, "sessions": n, "system_tokens": system_tokens, "prompt_full_blocks": full,
         "pool_blocks": pool.num_usable, "used_blocks": used, "used_bytes": used * llm.runner.bytes_per_block,
         "shared_blocks": sum(1 for c in pool.ref_counts if c > 1),
-        "sum_session_kv_bytes": sum(s["kv_bytes"] for s in stats),
+        "sum_session_kv_bytes": sum(s.kv_bytes for s in stats),
         "blocks_per_session": common.median(len(t) for t in tables),
         "prompt_copies": prompt_copies,
         "prompt_block_ref_counts": {str(k): v for k, v in sorted(refs.items())},

@@ -91,10 +91,10 @@ class Session:
         self._put_away(how)
         start = time.perf_counter()
         if how in ("memory", "host"):
-            assert eng.prefetch(SID) == ("device" if how == "memory" else "host")
+            assert eng.tiering.prefetch(SID) == ("device" if how == "memory" else "host")
         elif how == "disk":
             snap = eng.pager.disk.load(SID, MARK)
-            assert eng.restore_saved(SID, "", self.messages, snap) is None
+            assert eng.tiering.restore_saved(SID, "", self.messages, snap) is None
         else:
             eng.restore_session(SID, "", self.messages)
         common.sync(self.llm.loaded.model.device)
@@ -109,7 +109,7 @@ class Session:
             assert s.tier == "host", s.tier
             forget_prefix_cache(eng.pool)
         elif how == "disk":
-            assert eng.checkpoint(SID, MARK)
+            assert eng.tiering.checkpoint(SID, MARK)
             eng.pager.flush()
             eng.close_session(SID, keep_saved=True)
             forget_prefix_cache(eng.pool)
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         session = Session(llm, text)
         setup_s = time.perf_counter() - start
-        context = llm.engine.session_stats(SID)["context_tokens"]
+        context = llm.engine.session_stats(SID).context_tokens
         print(f"  context of {context} tokens built in {setup_s:.1f} s", file=sys.stderr, flush=True)
         results, file_bytes = {}, None
         for how in ("memory", "host", "disk", "transcript"):

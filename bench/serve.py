@@ -100,7 +100,7 @@ async def consume(stream: asyncio.Queue, out: Stream, on_delta=None) -> None:
         elif isinstance(ev, ResponseFinished):
             out.tokens = len(ev.token_ids)
             out.status, out.reason = ev.status, ev.reason
-            out.engine_ttft_ms = (ev.usage.get("timing") or {}).get("ttft_ms")
+            out.engine_ttft_ms = ev.usage.ttft_ms
             return
 
 

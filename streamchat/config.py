@@ -96,15 +96,26 @@ class SchedulerConfig:
     prefill_tokens_while_decoding: int = 64
     prefill_keys_while_decoding: int = 16384
     max_running: int = 64  # sessions generating at once
-    queue_timeout_s: float = 60.0  # waiting longer than this: `overloaded`
+    queue_timeout_s: float = 60.0  # no progress for this long before the first token: `overloaded`
+    # work a client may queue before it is in the cache: past it, `pending_limit_exceeded`
+    # (one session) or `overloaded` (the whole daemon)
+    max_pending_tokens_per_session: int = 65_536
+    max_pending_tokens: int = 1_048_576
+    max_failed_steps: int = 5  # engine steps failing in a row before the daemon gives up
+    engine_call_timeout_s: float = 30.0  # a command not taken by the engine by then: `engine_unavailable`
 
     def validate(self) -> None:
         _positive("max_tokens_per_step", self.max_tokens_per_step)
         _positive("max_running", self.max_running)
         _positive("prefill_tokens_while_decoding", self.prefill_tokens_while_decoding)
         _positive("prefill_keys_while_decoding", self.prefill_keys_while_decoding)
-        if self.queue_timeout_s <= 0:
-            raise ConfigError("queue_timeout_s must be > 0")
+        _positive("max_pending_tokens_per_session", self.max_pending_tokens_per_session)
+        _positive("max_pending_tokens", self.max_pending_tokens)
+        _positive("max_failed_steps", self.max_failed_steps)
+        for name in ("queue_timeout_s", "engine_call_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -121,13 +132,21 @@ class ServerConfig:
     max_sessions_per_connection: int = 16
     max_connections: int = 512
     send_queue_events: int = 256
+    max_append_item_chars: int = 4_000_000  # all appends of one open item -> message_too_large
+    session_idle_release_s: float = 300.0  # no connection for this long: the session leaves memory
+    shutdown_timeout_s: float = 10.0  # SIGTERM to exit, whatever is still running
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0..65535, got {self.port}")
         for name in ("max_frame_bytes", "max_text_chars", "max_output_tokens",
-                     "max_sessions_per_connection", "max_connections", "send_queue_events"):
+                     "max_sessions_per_connection", "max_connections", "send_queue_events",
+                     "max_append_item_chars"):
             _positive(name, getattr(self, name))
+        for name in ("session_idle_release_s", "shutdown_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 @dataclass(frozen=True)

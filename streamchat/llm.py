@@ -13,7 +13,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from streamchat.config import Config
-from streamchat.engine.engine import Engine, EngineError
+from streamchat.engine.api import EngineError, Usage
+from streamchat.engine.engine import Engine
 from streamchat.engine.events import ResponseFinished, TextDelta
 from streamchat.model.runner import ModelRunner, load_model
 from streamchat.model.sampling import SamplingParams
@@ -24,7 +25,7 @@ class Reply:
     text: str
     status: str
     reason: str | None
-    usage: dict
+    usage: Usage
     token_ids: list[int] = field(default_factory=list)
     deltas: list[str] = field(default_factory=list)
 

@@ -31,6 +31,13 @@ HELP = {
     "host_tier_gib": "host memory for idle sessions' KV blocks (pinned on CUDA; 0: off)",
     "disk_tier_gib": "size budget of the data directory of saved sessions, least recently used deleted first (0: off)",
     "data_dir": "where saved sessions go (default: next to the SQLite file, else $XDG_DATA_HOME/streamchat/kv)",
+    "max_pending_tokens_per_session": "tokens one session may have queued before they are in the cache",
+    "max_pending_tokens": "tokens all sessions together may have queued (past it: overloaded)",
+    "max_failed_steps": "engine steps failing in a row before /healthz says 503 and the daemon exits 1",
+    "engine_call_timeout_s": "a request the engine has not taken by then fails engine_unavailable",
+    "max_append_item_chars": "characters one open append item may collect (past it: message_too_large)",
+    "session_idle_release_s": "a session with no connection for this long leaves memory (to disk / transcript)",
+    "shutdown_timeout_s": "SIGTERM: end responses, save, close and exit within this many seconds",
     "checkpoint_idle_s": "a session idle this long is also saved to disk, so kill -9 loses no KV (0: off)",
 }
 

@@ -196,6 +196,21 @@ class KVCacheManager:
             self.pool.register(seq.block_ids[idx], block_hash, block_tokens)
             seq.block_hashes.append(block_hash)
 
+    def truncate(self, seq: SeqCache, num_tokens: int) -> None:
+        """Keep the first `num_tokens` (a block boundary); drop the later blocks' references, tail first.
+
+        What stays is unchanged, so a pristine sequence stays pristine.
+        """
+        bs = self.block_size
+        if num_tokens % bs or num_tokens > seq.num_tokens:
+            raise ValueError(f"cannot cut {seq.num_tokens} tokens back to {num_tokens}")
+        keep = num_tokens // bs
+        for block_id in reversed(seq.block_ids[keep:]):
+            self.pool.free(block_id)
+        del seq.block_ids[keep:]
+        del seq.token_ids[num_tokens:]
+        del seq.block_hashes[keep:]
+
     def free(self, seq: SeqCache) -> None:
         """Drop every reference of the sequence, tail first, and empty it."""
         for block_id in reversed(seq.block_ids):

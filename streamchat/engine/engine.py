@@ -1,9 +1,16 @@
 """The engine: sessions as long-lived sequences over one model, stepped synchronously.
 
 Owns the sessions' engine-side state and turns each step's logits into
-tokens, text deltas and finished responses. `step()` is synchronous and
-deterministic under a seed; it does no I/O. Exactly one thread may call into
-an Engine (the AsyncEngine's thread in the daemon; the caller in tests).
+tokens, text deltas and finished responses. `handle(cmd)` takes the typed
+commands of `engine.api`; the methods behind it are the in-process API (the
+LLM class, tests). `step()` is schedule -> run -> postprocess, synchronous
+and deterministic under a seed; it does no I/O. Exactly one thread may call
+into an Engine (the AsyncEngine's thread in the daemon; the caller in tests).
+
+A step that raises never leaves the engine broken: the responses it carried
+fail (`internal`) and their sessions are rebuilt from their tokens; the
+next step serves on. Tiers (host, disk) are reached through the scheduler,
+which owns the pager; `engine.tiering` holds the requests about them.
 """
 
 from __future__ import annotations
@@ -14,24 +21,21 @@ import time
 from streamchat.cache.block_pool import BlockPool
 from streamchat.cache.manager import KVCacheManager
 from streamchat.config import CacheConfig, ConfigError, SchedulerConfig, TierConfig
+from streamchat.engine import api
+from streamchat.engine.api import EngineError
 from streamchat.engine.events import EngineEvent, ItemPrefilled, ResponseFinished, TextDelta
 from streamchat.engine.metrics import EngineMetrics
 from streamchat.engine.scheduler import Scheduler
 from streamchat.engine.session import EngineSession, Pending, Phase, Response
+from streamchat.engine.tiering import Tiering
 from streamchat.model.sampling import SamplingParams, make_generator, sample
 from streamchat.text.chat import ChatFormat
 from streamchat.text.detok import IncrementalDetokenizer
-from streamchat.tiers import Snapshot, build_pager, kvfile
+from streamchat.tiers import build_pager
 
 log = logging.getLogger(__name__)
 
-
-class EngineError(Exception):
-    """A request the engine cannot take; `code` is the protocol's error code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+__all__ = ["Engine", "EngineError"]
 
 
 class Engine:
@@ -51,17 +55,47 @@ class Engine:
             raise ConfigError(
                 f"sink_tokens + window_tokens need {cache.max_blocks_per_session()} blocks per session, "
                 f"but the KV pool has only {self.pool.num_usable}; lower window_tokens or enlarge the pool")
-        self.scheduler = Scheduler(scheduler, self.manager)
         # host and disk tiers below the pool (None: idle sessions are dropped to their tokens)
-        self.pager = build_pager(tiers, runner, cache, self.manager, data_dir) if tiers else None
-        self.scheduler.pager = self.pager
+        pager = build_pager(tiers, runner, cache, self.manager, data_dir) if tiers else None
+        self.scheduler = Scheduler(scheduler, self.manager, pager)
         self.sched_cfg = scheduler
         self.sessions: dict[str, EngineSession] = {}
         self.metrics = metrics or EngineMetrics()
         self.clock = clock
         self.eos_ids = _eos_ids(runner.loaded.hf_config, self.tokenizer)
+        self.tiering = Tiering(self)
+        self.failed_steps = 0  # in a row; reset by a step that succeeds
+        self._handlers = {
+            api.OpenSession: lambda c: self.open_session(c.session_id, c.instructions),
+            api.RestoreTranscript: lambda c: self.restore_session(c.session_id, c.instructions, list(c.messages)),
+            api.RestoreSaved: lambda c: self.tiering.restore_saved(c.session_id, c.instructions,
+                                                                   list(c.messages), c.snapshot),
+            api.SetInstructions: lambda c: self.set_instructions(c.session_id, c.instructions),
+            api.PrepareItem: lambda c: self.prepare_item(c.session_id, c.role, c.text),
+            api.PrepareAppend: lambda c: self.prepare_append(c.session_id, c.text),
+            api.Queue: lambda c: self.queue(c.prepared, c.ticket),
+            api.CommitText: lambda c: self.commit_text(c.session_id, c.ticket),
+            api.StartResponse: lambda c: self.start_response(c.session_id, c.response_id, c.params,
+                                                             c.max_tokens, c.stop, c.instructions),
+            api.CancelResponse: lambda c: self.cancel_response(c.session_id),
+            api.CloseSession: lambda c: self.close_session(c.session_id, c.keep_saved),
+            api.Prefetch: lambda c: self.tiering.prefetch(c.session_id),
+            api.GetStats: lambda c: self.session_stats(c.session_id),
+            api.CheckpointCandidates: lambda c: self.tiering.checkpoint_candidates(c.idle_s),
+            api.Checkpoint: lambda c: self.tiering.checkpoint(c.session_id, c.mark),
+            api.Release: lambda c: self.tiering.release(c.session_id, c.mark),
+            api.Persist: lambda c: self.tiering.persist(c.marks, c.timeout_s),
+        }
 
-    # -- requests (engine thread only) --------------------------------------
+    @property
+    def pager(self):
+        return self.scheduler.pager
+
+    def handle(self, cmd: api.Command):
+        """Run one typed command; its result (events for commands that end responses)."""
+        return self._handlers[type(cmd)](cmd)
+
+    # -- sessions ---------------------------------------------------------------------
 
     def open_session(self, session_id: str, instructions: str = "") -> None:
         if session_id in self.sessions:
@@ -73,8 +107,7 @@ class Engine:
             s.pending.append(Pending(prefix))
         self.sessions[session_id] = s
 
-    def restore_session(self, session_id: str, instructions: str,
-                        messages: list[tuple[str, str, bool]]) -> int:
+    def restore_session(self, session_id: str, instructions: str, messages: list[api.Message]) -> int:
         """Open a session from its transcript: (role, text, closed) per item, oldest first.
 
         The context becomes the system prompt plus the most recent tokens that
@@ -83,10 +116,8 @@ class Engine:
         """
         self.open_session(session_id, instructions)
         s = self.sessions[session_id]
-        self._changed(s)  # no saved copy of an earlier life of this session is current
-        tokens: list[int] = []
-        for role, text, closed in messages:
-            tokens += self.chat.message(role, text) if closed else self.chat.open_message(role) + self.chat.encode(text)
+        self.tiering.changed(s)  # no saved copy of an earlier life of this session is current
+        tokens = self.transcript_tokens(messages)
         s.open_item = bool(messages) and not messages[-1][2]
         s.num_items = len(messages)
         keep = self.manager.window_cap - self.cache_cfg.block_size
@@ -94,57 +125,93 @@ class Engine:
             s.pending.append(Pending(tokens[-keep:]))
         return len(tokens)
 
+    def transcript_tokens(self, messages: list[api.Message]) -> list[int]:
+        """The context a transcript gives after the system prompt, before the window cut."""
+        tokens: list[int] = []
+        for role, text, closed in messages:
+            tokens += self.chat.message(role, text) if closed else self.chat.open_message(role) + self.chat.encode(text)
+        return tokens
+
     def context_tokens(self, session_id: str) -> int:
         """Tokens the session will attend to once its queued work is in (sinks plus window)."""
         s = self._get(session_id)
-        queued = sum(p.remaining for p in s.pending) + sum(p.remaining for p in s.deferred)
         sink = s.seq.num_sink_blocks * self.cache_cfg.block_size
-        total = s.seq.num_tokens + queued
-        return total if total <= sink + self.manager.window_cap else sink + self.manager.window_cap
+        total = len(self.tiering.context_of(s)) + s.queued_tokens
+        return min(total, sink + self.manager.window_cap)
 
     def _system_tokens(self, instructions: str) -> list[int]:
         body = self.chat.message("system", instructions) if instructions else []
         return self.chat.bos_ids + body
 
     def set_instructions(self, session_id: str, instructions: str) -> None:
-        """Replace the pinned system prompt; the rest of the context is kept and rebuilt."""
+        """Replace the pinned system prompt; the rest of the context is kept and rebuilt.
+
+        Queued work keeps its tickets: every item still prefilling is reported when in.
+        """
         s = self._get(session_id)
         if s.response is not None:
             raise EngineError("conversation_already_has_active_response", "a response is running")
-        tail = self._context_tokens(s)[s.pinned_tokens:]
-        self._changed(s)
-        if self.pager is not None:
-            self.pager.discard(s)  # every position's KV changes with the prompt: nothing to page in
-        self.scheduler.manager.free(s.seq)
         prefix = self._system_tokens(instructions)
-        s.pinned_tokens = len(prefix) if self.cache_cfg.pin_system_prompt else 0
-        s.seq = self.manager.new_seq(s.pinned_tokens)
-        s.resident, s.dropped_tokens, s.tier = True, [], "device"
-        queued = [t for p in s.pending for t in p.token_ids[p.done:]]
-        s.pending.clear()
-        s.pending.append(Pending(prefix + tail + queued))
+        pinned = len(prefix) if self.cache_cfg.pin_system_prompt else 0
+        self.tiering.changed(s)
+        self.scheduler.reset(s, pinned, prefix)
 
-    def _context_tokens(self, s: EngineSession) -> list[int]:
-        return list(s.seq.token_ids) if s.resident else list(s.dropped_tokens)
+    # -- input: prepared (checked, nothing changed), then queued once the store has it ------
+
+    def prepare_item(self, session_id: str, role: str, text: str) -> api.Prepared:
+        """Frame a whole message (closing the open append item first); check the limits."""
+        s = self._get(session_id)
+        close = self.chat.close_message("user") if s.open_item else []
+        tokens = close + self.chat.message(role, text)
+        self._check_room(s, len(tokens))
+        return api.Prepared(session_id, tuple(tokens), closes_item=bool(close), kind="item")
+
+    def prepare_append(self, session_id: str, text: str) -> api.Prepared:
+        """Raw text into the open user item (opened by the first append); check the limits."""
+        s = self._get(session_id)
+        tokens = ([] if s.open_item else self.chat.open_message("user")) + self.chat.encode(text)
+        self._check_room(s, len(tokens))
+        return api.Prepared(session_id, tuple(tokens), opens_item=not s.open_item, kind="append")
+
+    def _check_room(self, s: EngineSession, num_tokens: int) -> None:
+        lim = self.sched_cfg
+        if s.queued_tokens + num_tokens > lim.max_pending_tokens_per_session:
+            raise EngineError("pending_limit_exceeded",
+                              f"this session already has {s.queued_tokens} tokens waiting to enter the cache; "
+                              f"at most {lim.max_pending_tokens_per_session} may wait; "
+                              f"send more after conversation.item.done")
+        total = sum(v.queued_tokens for v in self.sessions.values())
+        if total + num_tokens > lim.max_pending_tokens:
+            raise EngineError("overloaded", f"the daemon has {total} tokens waiting to enter the cache; "
+                                            f"retry later")
+
+    def queue(self, prepared: api.Prepared, ticket=None) -> int:
+        """Queue prepared tokens (the store has them now); returns the context after them."""
+        s = self._get(prepared.session_id)
+        if prepared.kind == "item":
+            if prepared.closes_item != s.open_item:
+                raise EngineError("invalid_event", "the open item changed since this item was prepared")
+            s.open_item = False
+            s.num_items += 1
+        else:
+            if prepared.opens_item == s.open_item:
+                raise EngineError("invalid_event", "the open item changed since this append was prepared")
+            s.num_items += prepared.opens_item
+            s.open_item = True
+        self._queue(s, Pending(list(prepared.token_ids), ticket))
+        return self.context_tokens(s.session_id)
 
     def add_item(self, session_id: str, role: str, text: str, ticket=None) -> int:
-        """Frame and queue a whole message; returns its token count."""
-        s = self._get(session_id)
-        tokens = self._close_open(s) + self.chat.message(role, text)
-        self._queue(s, Pending(tokens, ticket))
-        s.num_items += 1
-        return len(tokens)
+        """Frame and queue a whole message; returns its token count (in-process callers)."""
+        prepared = self.prepare_item(session_id, role, text)
+        self.queue(prepared, ticket)
+        return len(prepared.token_ids)
 
     def append_text(self, session_id: str, text: str, ticket=None) -> int:
-        """Raw text into the open user item (opened on the first append); returns tokens added."""
-        s = self._get(session_id)
-        tokens = [] if s.open_item else self.chat.open_message("user")
-        if not s.open_item:
-            s.num_items += 1
-        s.open_item = True
-        tokens += self.chat.encode(text)
-        self._queue(s, Pending(tokens, ticket))
-        return len(tokens)
+        """Raw text into the open user item; returns tokens added (in-process callers)."""
+        prepared = self.prepare_append(session_id, text)
+        self.queue(prepared, ticket)
+        return len(prepared.token_ids)
 
     def commit_text(self, session_id: str, ticket=None) -> bool:
         """Close the open item; False if none was open."""
@@ -160,22 +227,34 @@ class Engine:
         s.open_item = False
         return self.chat.close_message("user")
 
+    def _queue(self, s: EngineSession, work: Pending) -> None:
+        self.tiering.wake(s)
+        if s.response is not None:
+            s.deferred.append(work)  # joins the context after the running response
+        else:
+            s.pending.append(work)
+
+    # -- responses ---------------------------------------------------------------------
+
     def start_response(self, session_id: str, response_id: str, params: SamplingParams,
                        max_tokens: int | None = None, stop: tuple[str, ...] = (),
                        instructions: str | None = None) -> None:
+        """Queue a reply. `instructions` are a system message for this turn only: once the
+        response ends they leave the context (the reply is recomputed without them)."""
         s = self._get(session_id)
         if s.response is not None:
             raise EngineError("conversation_already_has_active_response",
                               "a response is already running in this session")
+        r = Response(response_id, params, max_tokens, IncrementalDetokenizer(self.tokenizer, stop),
+                     make_generator(params), created_at=self.clock())
         tokens = self._close_open(s)
-        if instructions:
-            tokens += self.chat.message("system", instructions)
-        self._wake(s)
-        s.pending.append(Pending(tokens + self.chat.reply_prompt(), starts_response=True))
+        if tokens:
+            self._queue(s, Pending(tokens))
+        self.tiering.wake(s)
+        r.instructions = self.chat.message("system", instructions) if instructions else []
+        s.pending.append(Pending(r.instructions + self.chat.reply_prompt(), starts_response=True))
         s.num_items += 1  # the reply is an item of the conversation too
-        s.response = Response(response_id, params, max_tokens,
-                              IncrementalDetokenizer(self.tokenizer, stop), make_generator(params),
-                              created_at=self.clock())
+        s.response = r
 
     def cancel_response(self, session_id: str) -> list[EngineEvent]:
         """Stop the running response; [] if none runs."""
@@ -191,27 +270,22 @@ class Engine:
         if s is None:
             return []
         events = self._finish(s, "incomplete", "client_disconnected") if s.response else []
-        if self.pager is not None:
-            self.pager.discard(s, delete_file=not keep_saved)
-        self.manager.free(s.seq)
+        self.scheduler.forget(s, delete_file=not keep_saved)
         del self.sessions[session_id]
         return events
 
-    def session_stats(self, session_id: str) -> dict:
+    def session_stats(self, session_id: str) -> api.SessionStats:
         s = self._get(session_id)
         st = self.manager.stats(s.seq)
         if s.parked is not None:  # in a lower tier: its cache as it will come back
             st = st._replace(context_tokens=len(s.parked.token_ids), evicted_tokens=s.parked.evicted_tokens)
-        return {
-            "context_tokens": st.context_tokens, "total_tokens": s.total_tokens,
-            "evicted_tokens": st.evicted_tokens, "cached_tokens": st.cached_tokens,
-            "blocks": {"owned": st.owned_blocks, "shared": st.shared_blocks,
-                       "pool_cached_free": self.pool.num_cached_free, "pool_free": self.pool.num_free},
-            "prefix": {"queried_tokens": s.seq.queried_tokens, "hit_tokens": s.seq.cached_tokens},
-            "kv_bytes": len(s.seq.block_ids) * self.runner.bytes_per_block,
-            "items": s.num_items, "resident": s.resident, "tier": s.tier,
-            "on_disk": self.pager is not None and self.pager.on_disk(s),
-        }
+        return api.SessionStats(
+            context_tokens=st.context_tokens, total_tokens=s.total_tokens, evicted_tokens=st.evicted_tokens,
+            cached_tokens=st.cached_tokens, owned_blocks=st.owned_blocks, shared_blocks=st.shared_blocks,
+            pool_cached_free=self.pool.num_cached_free, pool_free=self.pool.num_free,
+            prefix_queried_tokens=s.seq.queried_tokens, prefix_hit_tokens=s.seq.cached_tokens,
+            kv_bytes=len(s.seq.block_ids) * self.runner.bytes_per_block, items=s.num_items,
+            queued_tokens=s.queued_tokens, residency=s.tier, on_disk=self.tiering.on_disk(s))
 
     def _get(self, session_id: str) -> EngineSession:
         s = self.sessions.get(session_id)
@@ -220,132 +294,72 @@ class Engine:
         s.last_active = self.clock()
         return s
 
-    def _queue(self, s: EngineSession, work: Pending) -> None:
-        self._wake(s)
-        if s.response is not None:
-            s.deferred.append(work)  # joins the context after the running response
-        else:
-            s.pending.append(work)
-
-    def _wake(self, s: EngineSession) -> None:
-        """Its context is about to change: bring its KV back up, or rebuild it from its tokens."""
-        self._changed(s)
-        if s.resident or (self.pager is not None and self.pager.page_in(s, self._room_for(s))):
-            return
-        if self.pager is not None:
-            self.pager.discard(s)
-        s.pending.appendleft(Pending(s.dropped_tokens))
-        s.resident, s.dropped_tokens, s.tier = True, [], "device"
-
-    @staticmethod
-    def _changed(s: EngineSession) -> None:
-        s.kv_version += 1  # saved copies of the old context are no longer current
-        s.transcript_mark = None
-
-    def _room_for(self, s: EngineSession):
-        """make_free(n) for a page-in: idle sessions page down until n device blocks are free."""
-        return lambda n: self.scheduler.make_free(n, list(self.sessions.values()), s)
-
-    # -- tiers (engine thread only) -------------------------------------------------
-
-    def prefetch(self, session_id: str) -> str:
-        """A client attached: bring its KV up before its first item; the tier it came from.
-
-        A session dropped to its tokens starts its rebuild now, in the background.
-        """
-        s = self._get(session_id)
-        origin = s.tier
-        if origin in ("host", "disk") and not s.busy and self.pager.page_in(s, self._room_for(s)):
-            return origin
-        if s.tier == "dropped":  # never had a lower-tier copy, or its file was refused
-            self._wake(s)
-            return "dropped"
-        return s.tier
-
-    def restore_saved(self, session_id: str, instructions: str, messages: list[tuple[str, str, bool]],
-                      snap: Snapshot) -> str | None:
-        """Open a session from its saved KV; None on success, else why not (then it is not opened).
-
-        `messages` are its transcript items as for `restore_session`, which
-        give the chat state (open item, item count); the KV comes from `snap`.
-        """
-        if session_id in self.sessions:
-            raise EngineError("invalid_event", f"session {session_id} is already open")
-        state = snap.state
-        prefix = self._system_tokens(instructions)
-        pinned = len(prefix) if self.cache_cfg.pin_system_prompt else 0
-        if state.token_ids[:len(prefix)] != prefix or state.pinned_tokens != pinned:
-            return "prompt"
-        s = EngineSession(session_id, self.manager.new_seq(pinned), pinned, last_active=self.clock())
-        kv = self.runner.kv_caches
-        seq = self.pager.to_device(state, lambda rows, ids: kvfile.scatter(snap.tensors, rows, kv, ids),
-                                   self._room_for(s))
-        if seq is None:
-            return "no_room"
-        s.seq, s.total_tokens, s.transcript_mark = seq, state.total_tokens, snap.mark
-        s.open_item = bool(messages) and not messages[-1][2]
-        s.num_items = len(messages)
-        self.sessions[session_id] = s
-        self.pager.disk.adopt(session_id, s.kv_version)
-        self.pager.moves[("disk", "device")] += 1
-        return None
-
-    def checkpoint_candidates(self, idle_s: float) -> list[str]:
-        """Sessions idle for `idle_s` whose current state is not on disk with a transcript mark."""
-        if self.pager is None or self.pager.disk is None:
-            return []
-        now = self.clock()
-        return [s.session_id for s in self.sessions.values()
-                if not s.busy and now - s.last_active >= idle_s and s.tier != "dropped"
-                and not (self.pager.on_disk(s) and s.transcript_mark is not None)]
-
-    def checkpoint(self, session_id: str, mark: str) -> bool:
-        """Save an idle session to disk, stamped with the transcript it matches."""
-        s = self.sessions.get(session_id)
-        return s is not None and self.pager is not None and self.pager.checkpoint(s, mark)
-
-    def persist(self, marks: dict[str, str], timeout_s: float = 10.0) -> int:
-        """Shutdown: finish queued prefill, then save the listed sessions to disk; returns how many."""
-        if self.pager is None or self.pager.disk is None:
-            return 0
-        deadline = time.monotonic() + timeout_s
-        while self.has_work() and time.monotonic() < deadline:
-            self.step()
-        saved = sum(1 for sid, mark in marks.items() if self.checkpoint(sid, mark))
-        self.pager.flush()
-        return saved
-
-    # -- the step -------------------------------------------------------------
+    # -- the step ------------------------------------------------------------------------
 
     def has_work(self) -> bool:
         return any(s.pending or s.response for s in self.sessions.values())
 
     def step(self) -> list[EngineEvent]:
-        """Schedule, run the model once, sample, and report what happened."""
+        """Schedule, run the model once, sample, and report what happened.
+
+        Never raises for a failure inside the step: the responses it carried
+        fail with `internal` and their sessions are rebuilt from their tokens.
+        """
         events = self._expire()
-        sessions = list(self.sessions.values())
-        sched = self.scheduler.schedule(sessions)
-        if not sched.batch:  # work served entirely from the prefix cache still completes
-            return events + [ItemPrefilled(s.session_id, t, s.seq.num_tokens) for s, t in sched.tickets]
-        started = time.perf_counter()
-        logits = self.runner.execute(sched.batch)
-        events += [ItemPrefilled(s.session_id, t, s.seq.num_tokens) for s, t in sched.tickets]
-        samplers = [o for o, c in zip(sched.owners, sched.batch.chunks()) if c.want_logits]
-        if samplers:
-            tokens = sample(logits, [o.response.params for o in samplers],
-                            [o.response.generator for o in samplers])
-            for s, token in zip(samplers, tokens):
-                events += self._on_token(s, token)
-        self.metrics.on_step(sched.batch.num_tokens, len(sched.batch.decode),
-                             time.perf_counter() - started)
+        owners: list[EngineSession] = []
+        try:
+            sched = self.scheduler.schedule(list(self.sessions.values()))
+            owners = sched.owners
+            if not sched.batch:  # work served entirely from the prefix cache still completes
+                self.failed_steps = 0
+                return events + [ItemPrefilled(s.session_id, t, s.seq.num_tokens) for s, t in sched.tickets]
+            started = time.perf_counter()
+            logits = self.runner.execute(sched.batch)
+            events += [ItemPrefilled(s.session_id, t, s.seq.num_tokens) for s, t in sched.tickets]
+            samplers = [o for o, c in zip(sched.owners, sched.batch.chunks()) if c.want_logits]
+            if samplers:
+                tokens = sample(logits, [o.response.params for o in samplers],
+                                [o.response.generator for o in samplers])
+                for s, token in zip(samplers, tokens):
+                    events += self._on_token(s, token)
+            self.metrics.on_step(sched.batch.num_tokens, len(sched.batch.decode), time.perf_counter() - started)
+        except Exception as exc:  # noqa: BLE001 - the engine must outlive any one step
+            return events + self._recover(owners, exc)
+        self.failed_steps = 0
+        return events
+
+    def _recover(self, owners: list[EngineSession], exc: Exception) -> list[EngineEvent]:
+        """A step failed: fail its responses, rebuild its sessions from their tokens."""
+        self.failed_steps += 1
+        self.metrics.failed_steps += 1
+        log.error("engine step failed (%d in a row): %r; failing its responses and rebuilding %d sessions",
+                  self.failed_steps, exc, len({id(s) for s in owners}), exc_info=exc)
+        events: list[EngineEvent] = []
+        seen: set[str] = set()
+        # owners of a step that failed in scheduling are unknown: every session with a running
+        # response may hold a half-placed chunk, so all of those are rebuilt too
+        suspects = owners or [s for s in self.sessions.values() if s.response is not None]
+        for s in suspects:
+            if s.session_id in seen or s.session_id not in self.sessions:
+                continue
+            seen.add(s.session_id)
+            if s.response is not None:
+                s.response.next_token = None  # not trusted: the step that would place it failed
+                events += self._finish(s, "failed", "internal")
+            self.scheduler.rebuild(s)
         return events
 
     def _expire(self) -> list[EngineEvent]:
+        """Responses that made no progress for `queue_timeout_s` fail `overloaded`.
+
+        Progress is any token of the session placed in the cache: a reply
+        waiting on its own history's prefill is moving, not waiting.
+        """
         now, limit = self.clock(), self.sched_cfg.queue_timeout_s
         events: list[EngineEvent] = []
         for s in list(self.sessions.values()):
             r = s.response
-            if r and r.first_token_at is None and now - r.created_at > limit:
+            if r and r.first_token_at is None and now - max(r.created_at, s.progressed_at) > limit:
                 events += self._finish(s, "failed", "overloaded")
         return events
 
@@ -381,6 +395,9 @@ class Engine:
         for p in s.pending:  # a reply cut before its first token: its prompt stays plain context
             p.starts_response = False
         s.pending.append(Pending(tail + self.chat.reply_end()))
+        if r.instructions:
+            after = len(self.chat.reply_prompt()) + len(r.output_ids) + len(self.chat.reply_end())
+            self.scheduler.drop_turn_instructions(s, r.instructions, after)
         s.pending.extend(s.deferred)
         s.deferred.clear()
         s.computed_this_turn = 0
@@ -388,21 +405,14 @@ class Engine:
                                        self._usage(s, r), tuple(r.output_ids)))
         return events
 
-    def _usage(self, s: EngineSession, r: Response) -> dict:
-        now = self.clock()
+    def _usage(self, s: EngineSession, r: Response) -> api.Usage:
         out = len(r.output_ids)
-        gen_s = (now - r.first_token_at) if r.first_token_at else 0.0
-        return {
-            "input_tokens": r.input_tokens, "output_tokens": out,
-            "total_tokens": r.input_tokens + out,
-            "input_token_details": {"cached_tokens": r.cached_tokens, "text_tokens": r.input_tokens},
-            "output_token_details": {"text_tokens": out},
-            "context_tokens": s.seq.num_tokens, "evicted_tokens": s.seq.evicted_tokens,
-            "timing": {
-                "ttft_ms": round((r.first_token_at - r.created_at) * 1000, 2) if r.first_token_at else None,
-                "output_tokens_per_s": round((out - 1) / gen_s, 2) if out > 1 and gen_s > 0 else None,
-            },
-        }
+        gen_s = (self.clock() - r.first_token_at) if r.first_token_at else 0.0
+        return api.Usage(
+            input_tokens=r.input_tokens, cached_tokens=r.cached_tokens, output_tokens=out,
+            context_tokens=s.seq.num_tokens, evicted_tokens=s.seq.evicted_tokens,
+            ttft_ms=round((r.first_token_at - r.created_at) * 1000, 2) if r.first_token_at else None,
+            output_tokens_per_s=round((out - 1) / gen_s, 2) if out > 1 and gen_s > 0 else None)
 
     def check(self) -> None:
         """Assert the pool and every session's table agree, and the tiers hold what they say."""

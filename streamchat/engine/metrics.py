@@ -16,6 +16,7 @@ class EngineMetrics:
     tokens: int = 0
     decode_tokens: int = 0
     step_seconds: float = 0.0
+    failed_steps: int = 0
     ttft: deque = field(default_factory=lambda: deque(maxlen=4096))
     itl: deque = field(default_factory=lambda: deque(maxlen=16384))
     batch_sizes: deque = field(default_factory=lambda: deque(maxlen=4096))

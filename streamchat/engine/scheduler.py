@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 from streamchat.cache.manager import KVCacheManager
 from streamchat.config import SchedulerConfig
 from streamchat.engine.batch import SeqChunk, StepBatch
-from streamchat.engine.session import EngineSession, Pending, Phase
+from streamchat.engine.session import EngineSession, Pending, Phase, Residency
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +37,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, manager: KVCacheManager) -> None:
+    def __init__(self, cfg: SchedulerConfig, manager: KVCacheManager, pager=None) -> None:
         self.cfg = cfg
         self.manager = manager
         self.stats = SchedulerStats()
-        self.pager = None  # the engine's tiers: idle sessions move down instead of being dropped
+        self.pager = pager  # the tier connector: idle sessions move down instead of being dropped
         self._rr = 0  # round-robin start for prefill
+        self.clock = time.monotonic
 
     def schedule(self, sessions: list[EngineSession]) -> Scheduled:
         """Pick this step's work. `sessions` is in arrival order (oldest first)."""
@@ -51,6 +53,7 @@ class Scheduler:
         for s in sessions:
             if budget and s.decoding and self._make_room(s, 1, sessions, out.owners):
                 self._add(out, s, [s.response.next_token], decode=True)
+                s.response.next_token = None  # in the cache now; the step samples the next one
                 budget -= 1
         keys = None  # attention work prefill may add: bounded only while sessions stream
         if out.batch.decode:
@@ -163,6 +166,7 @@ class Scheduler:
         (out.batch.decode if decode else out.batch.prefill).append(chunk)
         out.owners.append(s)
         s.total_tokens += len(tokens)
+        s.progressed_at = self.clock()
 
     def _make_room(self, s: EngineSession, num_new: int, sessions: list[EngineSession],
                    scheduled: list[EngineSession]) -> bool:
@@ -215,6 +219,90 @@ class Scheduler:
         if s.busy:
             s.pending.appendleft(Pending(tokens))
         else:
-            s.resident, s.dropped_tokens, s.tier = False, tokens, "dropped"
+            s.residency, s.dropped_tokens = Residency.DROPPED, tokens
             self.stats.idle_drops += 1
         log.debug("session %s gave up its blocks (%d tokens)", s.session_id, len(tokens))
+
+    # -- residency and context changes the engine asks for (only here and in the pager) ----
+
+    def wake(self, s: EngineSession, make_free) -> None:
+        """Its context is about to change: bring its KV back up, or rebuild it from its tokens."""
+        if s.resident or (self.pager is not None and self.pager.page_in(s, make_free)):
+            return
+        if self.pager is not None:
+            self.pager.discard(s)
+        s.pending.appendleft(Pending(s.dropped_tokens))
+        s.residency, s.dropped_tokens = Residency.DEVICE, []
+
+    def reset(self, s: EngineSession, pinned_tokens: int, prefix: list[int]) -> None:
+        """A new system prompt: every position's KV changes, so the context is rebuilt behind it.
+
+        Queued entries keep their tickets (each is reported once its tokens are in).
+        """
+        tail = (list(s.seq.token_ids) if s.resident else list(s.dropped_tokens))[s.pinned_tokens:]
+        if self.pager is not None:
+            self.pager.discard(s)  # nothing to page in: the saved KV is of the old prompt
+        self.manager.free(s.seq)
+        s.pinned_tokens = pinned_tokens
+        s.seq = self.manager.new_seq(pinned_tokens)
+        s.residency, s.dropped_tokens = Residency.DEVICE, []
+        queued = [Pending(p.token_ids[p.done:], p.ticket, p.starts_response) for p in s.pending]
+        s.pending.clear()
+        s.pending.append(Pending(prefix + tail))
+        s.pending.extend(queued)
+
+    def rebuild(self, s: EngineSession) -> None:
+        """Recompute the session's KV from its tokens (after a failed step: its cache is not trusted)."""
+        if not s.resident:
+            return
+        tokens = list(s.seq.token_ids)
+        self.manager.free(s.seq)
+        s.seq = self.manager.new_seq(s.pinned_tokens)
+        if tokens:
+            s.pending.appendleft(Pending(tokens))
+
+    def forget(self, s: EngineSession, delete_file: bool) -> None:
+        """The session is closed: its host copy goes (and its file, if asked), its blocks are freed."""
+        if self.pager is not None:
+            self.pager.discard(s, delete_file=delete_file)
+        self.manager.free(s.seq)
+
+    def drop_turn_instructions(self, s: EngineSession, instructions: list[int], num_after: int) -> None:
+        """Take a finished response's own system message out of the context.
+
+        The context is the cache followed by the queue; the message sits right
+        before the reply (prompt, output, end), the queue's last entries. The
+        cache is cut back to the block boundary at or before the message and
+        what followed it is queued again, so no block is ever written twice.
+
+            cache:  ...... |blk|  instructions | reply (prompt, output) ...
+                           ^cut   ^a            ^b
+            queue:  [tokens cut..a] + [reply ...] + rest of the queue
+        """
+        cache = list(s.seq.token_ids)
+        stream = cache + [t for p in s.pending for t in p.token_ids[p.done:]]
+        b = len(stream) - num_after
+        a = b - len(instructions)
+        if a < 0 or stream[a:b] != instructions:
+            log.warning("session %s: this turn's instructions were evicted with the reply; "
+                        "left as they are", s.session_id)
+            return
+        self._cut_stream(s, cache, a, b)
+
+    def _cut_stream(self, s: EngineSession, cache: list[int], a: int, b: int) -> None:
+        """Remove stream[a:b] (stream = cache + queue), re-queuing what the cache cut loses."""
+        bs = self.manager.block_size
+        requeue: list[int] = []
+        if a < len(cache):
+            cut = a // bs * bs
+            requeue = cache[cut:a] + cache[min(b, len(cache)):]
+            self.manager.truncate(s.seq, cut)
+        offset = len(cache)
+        for p in s.pending:  # the part of [a, b) that is still queued
+            rest = p.token_ids[p.done:]
+            lo, hi = max(a - offset, 0), min(b - offset, len(rest))
+            if lo < hi:
+                p.token_ids, p.done = rest[:lo] + rest[hi:], 0
+            offset += len(rest)
+        if requeue:
+            s.pending.appendleft(Pending(requeue))

@@ -11,7 +11,21 @@ from dataclasses import dataclass, field
 
 from streamchat.cache.manager import SeqCache
 
-TIERS = ("device", "host", "disk", "dropped")  # where a session's KV can be (dropped: tokens only)
+
+
+class Residency(str, enum.Enum):
+    """Where a session's KV is. Only the scheduler (and the tier connector it owns) changes it."""
+
+    DEVICE = "device"  # in the device pool: its table is live
+    HOST = "host"  # copied to the host tier
+    DISK = "disk"  # in its file on disk
+    DROPPED = "dropped"  # tokens only: rebuilt by prefill on next use
+
+    def __str__(self) -> str:
+        return self.value
+
+
+TIERS = tuple(r.value for r in Residency)
 
 
 @dataclass
@@ -49,6 +63,7 @@ class Response:
     input_tokens: int = 0
     cached_tokens: int = 0
     last_token_at: float | None = None
+    instructions: list[int] = field(default_factory=list)  # its own system message: this turn only
 
 
 @dataclass
@@ -61,15 +76,28 @@ class EngineSession:
     response: Response | None = None
     open_item: bool = False  # a streamchat.input_text.append item is open
     last_active: float = 0.0
-    resident: bool = True  # False: blocks given up; `seq.token_ids` rebuilt on next use
-    dropped_tokens: list[int] = field(default_factory=list)
-    tier: str = "device"  # where its KV is: device, host, disk, or dropped (tokens only)
+    progressed_at: float = 0.0  # when a token of it last entered the cache
+    residency: Residency = Residency.DEVICE
+    dropped_tokens: list[int] = field(default_factory=list)  # its context while not on the device
     parked: object = None  # its SeqState while in the host or disk tier
     kv_version: int = 0  # bumped whenever its context changes: tells current saved copies from old
     transcript_mark: str | None = None  # the stored transcript its context matches, if known
     total_tokens: int = 0
     computed_this_turn: int = 0
     num_items: int = 0
+
+    @property
+    def resident(self) -> bool:
+        return self.residency is Residency.DEVICE
+
+    @property
+    def tier(self) -> str:
+        return self.residency.value
+
+    @property
+    def queued_tokens(self) -> int:
+        """Tokens waiting to enter the cache: pending now, or after the running response."""
+        return sum(p.remaining for p in self.pending) + sum(p.remaining for p in self.deferred)
 
     @property
     def busy(self) -> bool:

@@ -15,6 +15,7 @@ import http
 import logging
 import os
 import signal
+import time
 from urllib.parse import parse_qs, urlsplit
 
 import orjson
@@ -36,6 +37,8 @@ class Daemon:
         self.config = config
         self.stopping = asyncio.Event()
         self.connections: set = set()
+        self.exit_code = 0
+        self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         from streamchat.engine.async_engine import AsyncEngine
@@ -56,9 +59,12 @@ class Daemon:
         engine = await asyncio.to_thread(Engine, runner, cfg.cache, cfg.scheduler, tiers=cfg.tiers,
                                          data_dir=data_dir)
         self.model_name = loaded.source.name
-        self.aengine = AsyncEngine(engine, cfg.model.num_threads)
+        sched = cfg.scheduler
+        self.aengine = AsyncEngine(engine, cfg.model.num_threads, sched.engine_call_timeout_s,
+                                   sched.max_failed_steps)
+        self.aengine.on_fatal = self._engine_failed
+        self.metrics = DaemonMetrics(self.aengine)
         self.aengine.start()
-        self.metrics = DaemonMetrics(engine)
         self.hub = Hub(self.aengine, self.store, self.model_name, cfg.cache)
         s = cfg.server
         self.limits = Limits(max_text_chars=s.max_text_chars, max_output_tokens=s.max_output_tokens)
@@ -67,33 +73,40 @@ class Daemon:
             max_size=s.max_frame_bytes, origins=self._origins(), select_subprotocol=_select_subprotocol,
             ping_interval=20, ping_timeout=20, close_timeout=5)
         self.port = self.server.sockets[0].getsockname()[1]
+        snap = self.aengine.snapshot
         log.info("serving %s on ws://%s:%d%s (%d KV blocks of %d tokens)", self.model_name, s.host, self.port,
-                 REALTIME_PATH, engine.pool.num_usable, cfg.cache.block_size)
-        self._log_tiers(engine)
-        self.checkpoints = None
-        if engine.pager is not None and engine.pager.disk is not None and cfg.tiers.checkpoint_idle_s:
-            self.checkpoints = asyncio.create_task(self._checkpoint_loop(cfg.tiers.checkpoint_idle_s))
+                 REALTIME_PATH, snap.kv_blocks_total, cfg.cache.block_size)
+        self._log_tiers(snap.tiers)
+        if snap.tiers["disk"] is not None and cfg.tiers.checkpoint_idle_s:
+            self._every(cfg.tiers.checkpoint_idle_s, self.hub.checkpoint_idle, "checkpointing idle sessions")
+        self._every(s.session_idle_release_s, self.hub.release_idle, "releasing idle sessions")
 
-    def _log_tiers(self, engine) -> None:
-        pager = engine.pager
-        host = pager and pager.host
-        disk = pager and pager.disk
+    def _log_tiers(self, tiers: dict) -> None:
+        host, disk = tiers["host"], tiers["disk"]
         log.info("session tiers: host %s, disk %s",
-                 f"{host.capacity} blocks" if host else "off",
-                 f"{disk.root} (budget {self.config.tiers.disk_tier_gib:g} GiB)" if disk else "off")
+                 f"{host['blocks_total']} blocks" if host else "off",
+                 f"{disk['root']} (budget {self.config.tiers.disk_tier_gib:g} GiB)" if disk else "off")
 
-    async def _checkpoint_loop(self, idle_s: float) -> None:
-        """Sessions idle for `idle_s` get a copy on disk, so even kill -9 loses no KV."""
-        while True:
-            try:
-                await asyncio.wait_for(self.stopping.wait(), timeout=min(idle_s, 5.0))
-                return
-            except TimeoutError:
-                pass
-            try:
-                await self.hub.checkpoint_idle(idle_s)
-            except Exception:
-                log.exception("checkpointing idle sessions failed")
+    def _every(self, idle_s: float, job, what: str) -> None:
+        """Run `job(idle_s)` every few seconds until the daemon stops (a task it owns)."""
+        async def loop() -> None:
+            while not self.stopping.is_set():
+                try:
+                    await asyncio.wait_for(self.stopping.wait(), timeout=min(idle_s, 5.0))
+                    return
+                except TimeoutError:
+                    pass
+                try:
+                    await job(idle_s)
+                except Exception:
+                    log.exception("%s failed", what)
+        self.tasks.append(asyncio.create_task(loop()))
+
+    def _engine_failed(self, reason: str) -> None:
+        """The engine cannot go on: /healthz says 503, and the daemon saves what it can and exits 1."""
+        log.critical("stopping the daemon: %s; a supervisor should restart it, and clients resume", reason)
+        self.exit_code = 1
+        self.stopping.set()
 
     def _origins(self):
         allowed = self.config.server.allowed_origins
@@ -106,7 +119,9 @@ class Daemon:
         if request.method != "GET":
             return _plain(http.HTTPStatus.METHOD_NOT_ALLOWED, "only GET is served\n", {"Allow": "GET"})
         if url.path == "/healthz":
-            return _json(http.HTTPStatus.OK, self.health())
+            health = self.health()
+            ok = health["status"] != "failed"
+            return _json(http.HTTPStatus.OK if ok else http.HTTPStatus.SERVICE_UNAVAILABLE, health)
         if url.path == "/metrics":
             return _plain(http.HTTPStatus.OK, self.metrics.render().decode(),
                           {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -138,13 +153,20 @@ class Daemon:
         return hmac.compare_digest(offered.encode(), key.encode())
 
     def health(self) -> dict:
-        eng = self.aengine.engine
-        return {"status": "stopping" if self.stopping.is_set() else "ok", "model": self.model_name,
-                "kv_blocks": {"free": eng.pool.num_free, "total": eng.pool.num_usable,
-                              "held": _held_blocks(eng), "block_size": self.config.cache.block_size},
-                "kv_bytes_per_token": eng.runner.bytes_per_token,
-                "tiers": _tiers_health(eng.pager),
-                "sessions": len(self.hub.sessions), "connections": len(self.connections)}
+        """Read from the engine's published snapshot: never from live engine state."""
+        snap = self.aengine.snapshot
+        fatal = self.aengine.fatal
+        status = "failed" if fatal else "stopping" if self.stopping.is_set() else "ok"
+        tiers = snap.tiers
+        return {"status": status, **({"reason": fatal} if fatal else {}), "model": self.model_name,
+                "kv_blocks": {"free": snap.kv_blocks_free + snap.kv_blocks_cached, "total": snap.kv_blocks_total,
+                              "held": snap.kv_blocks_held, "block_size": self.config.cache.block_size},
+                "kv_bytes_per_token": snap.kv_bytes_per_token,
+                "tiers": {"host": _pick(tiers["host"], "blocks_used", "blocks_total"),
+                          "disk": _pick(tiers["disk"], "files", "bytes", "budget_bytes")},
+                "sessions": len(self.hub.sessions), "sessions_in_engine": snap.sessions,
+                "queued_tokens": snap.queued_tokens, "failed_steps": snap.failed_steps,
+                "connections": len(self.connections)}
 
     # -- websocket ----------------------------------------------------------------
 
@@ -164,31 +186,43 @@ class Daemon:
             log.info("connection from %s closed (%s)", peer[0] if peer else "?", websocket.close_code)
 
     async def shutdown(self) -> None:
-        """Stop accepting, end responses (stored incomplete), close with 1001, save every
-        session's KV to disk, flush the store."""
+        """Within --shutdown-timeout-s: stop accepting, end responses (stored incomplete), close
+        with 1001, save every session's KV to disk, stop the engine; then flush the store.
+
+        Whatever is still running at the deadline is left: transcripts are already durable, so a
+        session not saved to disk is rebuilt from its transcript on resume.
+        """
+        timeout = self.config.server.shutdown_timeout_s
+        deadline = time.monotonic() + timeout
         self.stopping.set()
+        try:
+            async with asyncio.timeout(timeout * 0.9):
+                await self._close_connections()
+                for task in self.tasks:
+                    task.cancel()
+                await asyncio.gather(*self.tasks, return_exceptions=True)
+                if self.aengine.fatal is None:
+                    try:
+                        await self.hub.persist_all(max(0.5, deadline - time.monotonic() - 1.5))
+                    except Exception:
+                        log.exception("saving sessions to disk failed; they will be rebuilt from their transcripts")
+                if await self.aengine.stop(max(0.1, deadline - time.monotonic() - 1.0)):
+                    await self.aengine.close_tiers()
+        except TimeoutError:
+            log.warning("shutdown passed its %g s deadline; leaving what still runs", timeout)
+        try:
+            await asyncio.wait_for(self.store.aclose(), max(0.5, deadline - time.monotonic()))
+        except TimeoutError:
+            log.warning("the store did not close in time; its committed writes are safe")
+
+    async def _close_connections(self) -> None:
         self.server.close(close_connections=False)
         for conn in list(self.connections):
-            if conn.session is not None and conn.session.response_id is not None:
-                await conn._cancel_quietly(conn.session)
+            await conn.cancel_quietly()
         for conn in list(self.connections):
-            for task in list(conn.tasks):
-                await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(*list(conn.tasks), return_exceptions=True)
             await conn.ws.close(1001, "server shutting down")
         await self.server.wait_closed()
-        if self.checkpoints is not None:
-            self.checkpoints.cancel()
-            await asyncio.gather(self.checkpoints, return_exceptions=True)
-        if self.aengine.failed is None:
-            try:
-                await self.hub.persist_all()
-            except Exception:
-                log.exception("saving sessions to disk failed; they will be rebuilt from their transcripts")
-        await self.aengine.stop()
-        pager = self.aengine.engine.pager
-        if pager is not None:
-            await asyncio.to_thread(pager.close)
-        await self.store.aclose()
 
 
 async def _serve(config: Config) -> int:
@@ -201,7 +235,7 @@ async def _serve(config: Config) -> int:
     await daemon.stopping.wait()
     log.info("shutting down")
     await daemon.shutdown()
-    return 0
+    return daemon.exit_code
 
 
 def run(config: Config) -> int:
@@ -209,18 +243,6 @@ def run(config: Config) -> int:
     # the event loop thread. Passive waiting costs little per step.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return asyncio.run(_serve(config))
-
-
-def _held_blocks(eng) -> int | None:
-    """Distinct pool blocks in some session's table: with `free`, what a leak check needs.
-
-    Read from the event loop while the engine thread may be changing tables:
-    exact when the engine is idle, None if a table changed under the read.
-    """
-    try:
-        return len({b for s in list(eng.sessions.values()) for b in s.seq.block_ids})
-    except RuntimeError:
-        return None
 
 
 def _select_subprotocol(connection, subprotocols):
@@ -240,9 +262,5 @@ def _json(status: http.HTTPStatus, doc: dict) -> Response:
     return Response(status.value, status.phrase, h, body)
 
 
-def _tiers_health(pager) -> dict:
-    if pager is None:
-        return {"host": None, "disk": None}
-    host, disk = pager.host, pager.disk
-    return {"host": {"blocks_used": host.pool.num_used, "blocks_total": host.capacity} if host else None,
-            "disk": {"files": disk.num_files, "bytes": disk.num_bytes, "budget_bytes": disk.budget} if disk else None}
+def _pick(figures: dict | None, *keys: str) -> dict | None:
+    return {k: figures[k] for k in keys} if figures is not None else None

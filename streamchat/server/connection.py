@@ -2,8 +2,14 @@
 
 The reader always drains (a cancel or a feed append is never stuck behind a
 generation); every response streams in its own task; all sends go through
-the connection's Outbox. Durability: each item, append and response is
-committed to the store before the event that acknowledges it is sent.
+the connection's Outbox. Speaks to the engine only in `engine.api` commands,
+through the Hub.
+
+Durable before visible: each item, append and response is committed to the
+store before the engine queues it or the client hears of it. A store
+failure answers `store_unavailable` (or `item_id_in_use`) and changes
+nothing else; a response always ends with `response.done`, `failed` with
+its reason if storing it failed.
 """
 
 from __future__ import annotations
@@ -13,15 +19,23 @@ import logging
 
 from websockets.exceptions import ConnectionClosed
 
-from streamchat.engine.engine import EngineError
+from streamchat.engine import api
+from streamchat.engine.api import EngineError
 from streamchat.engine.events import ResponseFinished, TextDelta
 from streamchat.model.sampling import SamplingParams
 from streamchat.server import events as ev
 from streamchat.server import protocol as p
 from streamchat.server.outbox import Outbox, SlowClient
 from streamchat.server.sessions import Hub, LiveSession, SessionNotFound
+from streamchat.store import StoreError
 
 log = logging.getLogger(__name__)
+
+FAILURE_MESSAGES = {
+    "overloaded": "no capacity to start this response; retry later",
+    "store_unavailable": "the reply could not be stored; it is lost",
+    "engine_unavailable": "the engine stopped; reconnect and resume the session",
+}
 
 
 class Connection:
@@ -35,7 +49,7 @@ class Connection:
         self.session: LiveSession | None = None
         self.tasks: set[asyncio.Task] = set()
         self.num_sessions = 0
-        self.engine = hub.engine
+        self.submit = hub.submit
 
     async def run(self) -> None:
         writer = asyncio.create_task(self.outbox.run(self.ws))
@@ -75,13 +89,14 @@ class Connection:
         try:
             async with self.session.lock:
                 await handler(event)
-        except EngineError as exc:
+        except (EngineError, StoreError) as exc:
             self.error(exc.code, str(exc), event.event_id)
         except SessionNotFound:
             self.error("session_not_found", "no session with that id and token", event.event_id)
         except Exception:
             log.exception("failed handling %s", type(event).__name__)
-            self.error("internal", "the server failed on this event; nothing was lost", event.event_id)
+            self.error("internal", "the server failed on this event; nothing acknowledged was lost",
+                       event.event_id)
 
     def _attach(self, s: LiveSession) -> None:
         s.attached += 1
@@ -92,7 +107,7 @@ class Connection:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    # -- events -----------------------------------------------------------------
+    # -- events -----------------------------------------------------------------------
 
     async def on_SessionUpdate(self, e: p.SessionUpdate) -> None:
         if self.session.response_id is not None and e.instructions is not None:
@@ -119,11 +134,13 @@ class Connection:
     async def on_ItemCreate(self, e: p.ItemCreate) -> None:
         s = self.session
         await self._close_open_item(s)
+        prepared = await self.submit(api.PrepareItem(s.id, e.role, e.text))
         item_id = e.item_id or ev.new_id("item")
         await self.hub.ensure_stored(s)
+        await self.hub.store.add_item(s.id, item_id, e.role, "message", e.text, "completed",
+                                      len(prepared.token_ids))
         ticket = asyncio.get_running_loop().create_future()
-        num = await self.engine.call(self.engine.engine.add_item, s.id, e.role, e.text, ticket)
-        await self.hub.store.add_item(s.id, item_id, e.role, "message", e.text, "completed", num)
+        await self.hub.queue(s, prepared, ticket)
         item = ev.item_object(item_id, e.role, e.text)
         previous, s.last_item_id = s.last_item_id, item_id
         self.send(ev.item_added(item, previous))
@@ -135,61 +152,66 @@ class Connection:
 
     async def on_InputTextAppend(self, e: p.InputTextAppend) -> None:
         s = self.session
+        if s.open_item_chars + len(e.text) > self.cfg.max_append_item_chars:
+            raise EngineError("message_too_large",
+                              f"the open item would hold more than {self.cfg.max_append_item_chars} characters; "
+                              "commit it and start another")
+        prepared = await self.submit(api.PrepareAppend(s.id, e.text))
         await self.hub.ensure_stored(s)
-        eng = self.engine.engine
-        num, context = await self.engine.call(
-            lambda: (eng.append_text(s.id, e.text), eng.context_tokens(s.id)))
+        num = len(prepared.token_ids)
+        item_id = s.open_item_id or ev.new_id("item")
         if s.open_item_id is None:
-            s.open_item_id = ev.new_id("item")
-            await self.hub.store.add_item(s.id, s.open_item_id, "user", "append", e.text, "in_progress", num)
-            previous, s.last_item_id = s.last_item_id, s.open_item_id
-            self.send(ev.item_added(ev.item_object(s.open_item_id, "user", None, status="in_progress"), previous))
+            await self.hub.store.add_item(s.id, item_id, "user", "append", e.text, "in_progress", num)
         else:
-            await self.hub.store.append_text(s.id, s.open_item_id, e.text, num)
-        self.send({**ev.input_text_appended(s.open_item_id, num, context)})
+            await self.hub.store.append_text(s.id, item_id, e.text, num)
+        context = await self.hub.queue(s, prepared)
+        if s.open_item_id is None:
+            s.open_item_id, s.open_item_chars = item_id, 0
+            previous, s.last_item_id = s.last_item_id, item_id
+            self.send(ev.item_added(ev.item_object(item_id, "user", None, status="in_progress"), previous))
+        s.open_item_chars += len(e.text)
+        self.send(ev.input_text_appended(item_id, num, context))
 
     async def on_InputTextCommit(self, e: p.InputTextCommit) -> None:
-        s = self.session
-        if s.open_item_id is None:
+        if self.session.open_item_id is None:
             raise EngineError("invalid_event", "no open input_text item to commit")
+        await self._close_open_item(self.session)
+
+    async def _close_open_item(self, s: LiveSession) -> None:
+        """Close the open append item (stored first), then tell the engine; its item.done follows."""
+        if s.open_item_id is None:
+            return
         item_id = s.open_item_id
-        ticket = await self._close_open_item(s)
+        await self.hub.store.finish_item(s.id, item_id, status="completed")
+        s.open_item_id, s.open_item_chars = None, 0
+        ticket = asyncio.get_running_loop().create_future()
+        await self.hub.commit_text(s, ticket)
         records = await self.hub.store.items(s.id)
         text = next((r.text for r in reversed(records) if r.item_id == item_id), "")
         self._spawn(self._item_done_when_cached(ticket, ev.item_object(item_id, "user", text), None))
-
-    async def _close_open_item(self, s: LiveSession) -> asyncio.Future | None:
-        if s.open_item_id is None:
-            return None
-        ticket = asyncio.get_running_loop().create_future()
-        await self.engine.call(self.engine.engine.commit_text, s.id, ticket)
-        await self.hub.store.finish_item(s.id, s.open_item_id, status="completed")
-        s.open_item_id = None
-        return ticket
 
     async def on_ResponseCreate(self, e: p.ResponseCreate) -> None:
         s = self.session
         if s.response_id is not None:
             raise EngineError("conversation_already_has_active_response",
                               "a response is already running in this session")
-        await self._close_open_item(s)
-        await self.hub.ensure_stored(s)
-        max_tokens = e.max_output_tokens if e.max_output_tokens is not None else s.max_output_tokens
-        limit = self.cfg.max_output_tokens if max_tokens == "inf" else min(max_tokens, self.cfg.max_output_tokens)
         params = SamplingParams(e.temperature or 0.0, e.top_p or 1.0, e.top_k or 0, e.seed)
         try:
             params.validate()
         except ValueError as exc:
             raise EngineError("invalid_event", str(exc)) from None
+        await self._close_open_item(s)
+        await self.hub.ensure_stored(s)
+        max_tokens = e.max_output_tokens if e.max_output_tokens is not None else s.max_output_tokens
+        limit = self.cfg.max_output_tokens if max_tokens == "inf" else min(max_tokens, self.cfg.max_output_tokens)
         rid, item_id = ev.new_id("resp"), ev.new_id("item")
         await self.hub.store.add_item(s.id, item_id, "assistant", "response", "", "in_progress", 0)
-        stream = self.engine.open_stream(rid)
+        stream = self.hub.engine.open_stream(rid)
         try:
-            await self.engine.call(self.engine.engine.start_response, s.id, rid, params, limit,
-                                   e.stop or (), e.instructions)
+            await self.submit(api.StartResponse(s.id, rid, params, limit, e.stop or (), e.instructions))
         except BaseException:
-            self.engine.close_stream(rid)
-            await self.hub.store.finish_item(s.id, item_id, status="failed")
+            self.hub.engine.close_stream(rid)
+            await self._forget_item(s, item_id)
             raise
         s.response_id, s.response_owner = rid, self
         previous, s.last_item_id = s.last_item_id, item_id
@@ -198,6 +220,13 @@ class Connection:
         for event in ev.response_start_events(response, item, previous):
             self.send(event)
         self._spawn(self._stream(s, rid, item_id, stream, max_tokens, previous))
+
+    async def _forget_item(self, s: LiveSession, item_id: str) -> None:
+        try:
+            await self.hub.store.finish_item(s.id, item_id, status="failed")
+        except StoreError:
+            log.warning("session %s: response item %s stays in_progress in the store; "
+                        "a resume stores it incomplete", s.id, item_id)
 
     async def _stream(self, s: LiveSession, rid: str, item_id: str, stream: asyncio.Queue,
                       max_tokens, previous) -> None:
@@ -210,51 +239,60 @@ class Connection:
                     await self._finish(s, rid, item_id, out, max_tokens, previous)
                     return
         finally:
-            self.engine.close_stream(rid)
+            self.hub.engine.close_stream(rid)
             if s.response_id == rid:
                 s.response_id = s.response_owner = None
 
     async def _finish(self, s, rid, item_id, out: ResponseFinished, max_tokens, previous) -> None:
-        item_status = "completed" if out.status == "completed" else "incomplete"
+        status, reason = out.status, out.reason
         # cut short by a cancel, a disconnect or shutdown: stored as far as it went, incomplete
-        store_status = out.status if out.status in ("completed", "failed") else "incomplete"
-        await self.hub.store.finish_item(s.id, item_id, text=out.text, status=store_status,
-                                         num_tokens=out.usage.get("output_tokens", 0))
+        store_status = status if status in ("completed", "failed") else "incomplete"
+        try:
+            await self.hub.store.finish_item(s.id, item_id, text=out.text, status=store_status,
+                                             num_tokens=out.usage.output_tokens if out.usage else 0)
+        except StoreError as exc:
+            log.error("session %s: response %s could not be stored: %s", s.id, rid, exc)
+            status, reason = "failed", exc.code
+            await self.hub.rebuild(s)  # the engine heard a reply the transcript lacks
         s.response_id = s.response_owner = None
+        item_status = "completed" if status == "completed" else "incomplete"
         item = ev.item_object(item_id, "assistant", out.text, status=item_status)
         error = None
-        if out.status == "failed":
-            error = {"type": "server_error", "code": out.reason or "internal",
-                     "message": "no capacity to start this response; retry later"
-                     if out.reason == "overloaded" else "the response failed"}
+        if status == "failed":
+            code = reason or "internal"
+            error = {"type": "server_error", "code": code,
+                     "message": FAILURE_MESSAGES.get(code, "the response failed")}
             self.error(error["code"], error["message"])
         usage = _usage(out.usage) if out.usage else None
-        response = ev.response_object(rid, out.status, output=[item], usage=usage,
-                                      max_output_tokens=max_tokens,
-                                      reason=out.reason if out.status in ("cancelled", "incomplete") else None,
+        response = ev.response_object(rid, status, output=[item], usage=usage, max_output_tokens=max_tokens,
+                                      reason=reason if status in ("cancelled", "incomplete") else None,
                                       error=error)
         for event in ev.response_end_events(response, item, previous):
             self.send(event)
-        self.metrics.response_done(out.status)
-        log.info("response %s %s: %s tokens", rid, out.status, out.usage.get("output_tokens") if out.usage else 0)
+        self.metrics.response_done(status)
+        u = out.usage
+        log.info("response %s %s%s: session %s, %d input (%d cached), %d output tokens, ttft %s ms, %s tok/s",
+                 rid, status, f" ({reason})" if reason else "", s.id, u.input_tokens if u else 0,
+                 u.cached_tokens if u else 0, u.output_tokens if u else 0, u.ttft_ms if u else None,
+                 u.output_tokens_per_s if u else None)
 
     async def on_ResponseCancel(self, e: p.ResponseCancel) -> None:
         s = self.session
         if s.response_id is None or (e.response_id and e.response_id != s.response_id):
             raise EngineError("response_cancel_not_active", "no response is running")
-        await self.engine.call(self.engine.engine.cancel_response, s.id)
+        await self.submit(api.CancelResponse(s.id))
 
     async def on_SessionStats(self, e: p.SessionStats) -> None:
-        stats = await self.engine.call(self.engine.engine.session_stats, self.session.id)
-        self.send(ev.session_stats(stats))
+        stats = await self.submit(api.GetStats(self.session.id))
+        self.send(ev.session_stats(_stats(stats)))
 
-    # -- teardown ---------------------------------------------------------------
+    # -- teardown -------------------------------------------------------------------------
 
     async def _cleanup(self, writer: asyncio.Task) -> None:
         s = self.session
         if s is not None:
             if s.response_id is not None and s.response_owner is self:
-                await self._cancel_quietly(s)
+                await self.cancel_quietly(s)
             await self.hub.detach(s)
         for task in list(self.tasks):
             try:
@@ -264,17 +302,31 @@ class Connection:
         self.outbox.close()
         await asyncio.gather(writer, return_exceptions=True)
 
-    async def _cancel_quietly(self, s: LiveSession) -> None:
+    async def cancel_quietly(self, s: LiveSession | None = None) -> None:
+        s = s or self.session
+        if s is None or s.response_id is None:
+            return
         try:
-            await self.engine.call(self.engine.engine.cancel_response, s.id)
+            await self.submit(api.CancelResponse(s.id), timeout_s=5.0)
         except Exception:
             log.exception("could not stop the response of %s", s.id)
 
 
-def _usage(u: dict) -> dict:
-    timing = u.get("timing", {})
+def _usage(u: api.Usage) -> dict:
     return ev.usage_object(
-        input_tokens=u["input_tokens"], output_tokens=u["output_tokens"],
-        cached_tokens=u["input_token_details"]["cached_tokens"], context_tokens=u["context_tokens"],
-        evicted_tokens=u["evicted_tokens"], ttft_ms=timing.get("ttft_ms"),
-        output_tokens_per_s=timing.get("output_tokens_per_s"))
+        input_tokens=u.input_tokens, output_tokens=u.output_tokens, cached_tokens=u.cached_tokens,
+        context_tokens=u.context_tokens, evicted_tokens=u.evicted_tokens, ttft_ms=u.ttft_ms,
+        output_tokens_per_s=u.output_tokens_per_s)
+
+
+def _stats(st: api.SessionStats) -> dict:
+    """`streamchat.session.stats` as the wire has it (docs/protocol.md)."""
+    return {
+        "context_tokens": st.context_tokens, "total_tokens": st.total_tokens,
+        "evicted_tokens": st.evicted_tokens, "cached_tokens": st.cached_tokens,
+        "blocks": {"owned": st.owned_blocks, "shared": st.shared_blocks,
+                   "pool_cached_free": st.pool_cached_free, "pool_free": st.pool_free},
+        "prefix": {"queried_tokens": st.prefix_queried_tokens, "hit_tokens": st.prefix_hit_tokens},
+        "kv_bytes": st.kv_bytes, "items": st.items, "queued_tokens": st.queued_tokens,
+        "resident": st.residency == "device", "tier": st.residency, "on_disk": st.on_disk,
+    }

@@ -1,8 +1,8 @@
-"""The daemon's Prometheus metrics: names, histograms, and a collector over live engine figures.
+"""The daemon's Prometheus metrics: names, histograms, and a collector over the engine's snapshot.
 
 Owns metric names (all `streamchat_` prefixed, `_total` counters, `_seconds`
 durations, `_ratio` fractions; never a session id in a label). Reads the
-engine's figures at scrape time; histograms are fed by the engine thread
+engine's published snapshot at scrape time; histograms are fed by the engine thread
 through EngineMetrics observers (prometheus_client is thread-safe).
 """
 
@@ -34,7 +34,7 @@ class DaemonMetrics:
                                 ["restored_from"], registry=self.registry)
         self.connections = 0
         self.registry.register(_EngineCollector(self))
-        engine.metrics.observers.append(self._observe)
+        engine.observe(self._observe)
 
     def _observe(self, kind: str, value: float) -> None:
         {"ttft": self.ttft, "itl": self.itl, "step_tokens": self.step_tokens}[kind].observe(value)
@@ -53,46 +53,43 @@ class DaemonMetrics:
 
 
 class _EngineCollector:
+    """Engine figures from the snapshot the engine thread publishes: never live engine state."""
+
     def __init__(self, metrics: DaemonMetrics) -> None:
         self.m = metrics
 
     def collect(self):
-        eng = self.m.engine
-        pool, mgr, sched = eng.pool, eng.manager, eng.scheduler.stats
-        sessions = list(eng.sessions.values())
+        snap = self.m.engine.snapshot
         yield _gauge("streamchat_kv_blocks", "KV pool blocks by state", "state", {
-            "free": pool.num_free - pool.num_cached_free, "cached": pool.num_cached_free,
-            "used": pool.num_used,
-            "shared": sum(1 for c in pool.ref_counts if c > 1)})
-        yield GaugeMetricFamily("streamchat_kv_blocks_capacity", "Usable KV pool blocks", value=pool.num_usable)
+            "free": snap.kv_blocks_free, "cached": snap.kv_blocks_cached,
+            "used": snap.kv_blocks_used, "shared": snap.kv_blocks_shared})
+        yield GaugeMetricFamily("streamchat_kv_blocks_capacity", "Usable KV pool blocks", value=snap.kv_blocks_total)
         yield GaugeMetricFamily("streamchat_kv_usage_ratio", "Fraction of KV blocks in use",
-                                value=pool.num_used / pool.num_usable)
+                                value=snap.kv_blocks_used / max(1, snap.kv_blocks_total))
         yield GaugeMetricFamily("streamchat_kv_bytes_per_token", "KV bytes one token takes in the pool",
-                                value=eng.runner.bytes_per_token)
+                                value=snap.kv_bytes_per_token)
         yield _gauge("streamchat_sessions", "Engine sessions by state", "state", {
-            "running": sum(1 for s in sessions if s.response is not None and s.response.phase.value != "queued"),
-            "waiting": sum(1 for s in sessions if s.response is not None and s.response.phase.value == "queued"),
-            "idle": sum(1 for s in sessions if s.response is None),
-            "paged_out": sum(1 for s in sessions if not s.resident)})
+            "running": snap.sessions_running, "waiting": snap.sessions_waiting, "idle": snap.sessions_idle,
+            "paged_out": snap.sessions - snap.sessions_by_residency.get("device", 0)})
+        yield GaugeMetricFamily("streamchat_queued_tokens", "Tokens waiting to enter the cache",
+                                value=snap.queued_tokens)
         yield GaugeMetricFamily("streamchat_connections", "Open websocket connections", value=self.m.connections)
-        yield CounterMetricFamily("streamchat_prefix_query_tokens_total", "Tokens looked up in the prefix cache",
-                                  value=mgr.num_prefix_queried_tokens)
-        yield CounterMetricFamily("streamchat_prefix_hit_tokens_total", "Tokens served from the prefix cache",
-                                  value=mgr.num_prefix_hit_tokens)
-        yield CounterMetricFamily("streamchat_evicted_tokens_total", "Tokens evicted by the sink + window policy",
-                                  value=mgr.num_evicted_tokens)
-        yield CounterMetricFamily("streamchat_preemptions_total", "Running sessions preempted for memory",
-                                  value=sched.preemptions)
-        yield CounterMetricFamily("streamchat_idle_drops_total", "Idle sessions that gave up their blocks",
-                                  value=sched.idle_drops)
-        yield CounterMetricFamily("streamchat_cached_block_evictions_total",
-                                  "Cached free blocks reused for new data", value=pool.num_cache_evictions)
-        yield CounterMetricFamily("streamchat_steps_total", "Engine steps", value=eng.metrics.steps)
-        yield CounterMetricFamily("streamchat_tokens_total", "Tokens computed", value=eng.metrics.tokens)
-        yield CounterMetricFamily("streamchat_step_seconds_total", "Time spent in model steps",
-                                  value=eng.metrics.step_seconds)
-        if eng.pager is not None:
-            yield from _tier_metrics(eng, sessions)
+        for name, doc, value in (
+            ("prefix_query_tokens", "Tokens looked up in the prefix cache", snap.prefix_queried_tokens),
+            ("prefix_hit_tokens", "Tokens served from the prefix cache", snap.prefix_hit_tokens),
+            ("evicted_tokens", "Tokens evicted by the sink + window policy", snap.evicted_tokens),
+            ("preemptions", "Running sessions preempted for memory", snap.preemptions),
+            ("idle_drops", "Idle sessions that gave up their blocks", snap.idle_drops),
+            ("cached_block_evictions", "Cached free blocks reused for new data", snap.cached_block_evictions),
+            ("steps", "Engine steps", snap.steps),
+            ("failed_steps", "Engine steps that failed (their responses failed, sessions rebuilt)",
+             snap.failed_steps),
+            ("tokens", "Tokens computed", snap.tokens),
+            ("step_seconds", "Time spent in model steps", snap.step_seconds),
+        ):
+            yield CounterMetricFamily(f"streamchat_{name}_total", doc, value=value)
+        if snap.tiers.get("moves") is not None:
+            yield from _tier_metrics(snap)
 
 
 def _gauge(name: str, doc: str, label: str, values: dict) -> GaugeMetricFamily:
@@ -102,39 +99,36 @@ def _gauge(name: str, doc: str, label: str, values: dict) -> GaugeMetricFamily:
     return g
 
 
-def _tier_metrics(eng, sessions):
+def _tier_metrics(snap):
     """Sessions and bytes per tier, moves between tiers, saved files refused."""
-    pager, per_block = eng.pager, eng.runner.bytes_per_block
-    host, disk = pager.host, pager.disk
-    tiers = [s.tier for s in sessions]
+    tiers = snap.tiers
+    host, disk = tiers["host"], tiers["disk"]
     yield _gauge("streamchat_tier_sessions", "Sessions by where their KV is (dropped: tokens only)", "tier",
-                 {t: tiers.count(t) for t in TIERS})
-    used = {"device": eng.pool.num_used * per_block}
-    capacity = {"device": eng.pool.num_usable * per_block}
+                 {t: snap.sessions_by_residency.get(t, 0) for t in TIERS})
+    used = {"device": snap.kv_blocks_used * snap.kv_bytes_per_block}
+    capacity = {"device": snap.kv_blocks_total * snap.kv_bytes_per_block}
     if host is not None:
-        used["host"], capacity["host"] = host.pool.num_used * per_block, host.capacity * per_block
+        used["host"], capacity["host"] = host["bytes"], host["capacity_bytes"]
     if disk is not None:
-        used["disk"], capacity["disk"] = disk.num_bytes, disk.budget
+        used["disk"], capacity["disk"] = disk["bytes"], disk["budget_bytes"]
     yield _gauge("streamchat_tier_bytes", "Bytes held per tier (disk: every saved file)", "tier", used)
     yield _gauge("streamchat_tier_capacity_bytes", "Size of each tier", "tier", capacity)
     moves = CounterMetricFamily("streamchat_tier_moves_total", "Sessions moved between tiers",
                                 labels=["from_tier", "to_tier"])
-    for (src, dst), n in list(pager.moves.items()):
+    for (src, dst), n in tiers["moves"].items():
         moves.add_metric([src, dst], n)
     yield moves
     failures = CounterMetricFamily("streamchat_tier_load_failures_total",
                                    "Saved session files not used, by reason", labels=["reason"])
-    for reason, n in list(pager.load_failures.items()):
+    for reason, n in tiers["load_failures"].items():
         failures.add_metric([reason], n)
     yield failures
     if disk is not None:
-        yield GaugeMetricFamily("streamchat_tier_disk_files", "Saved session files", value=disk.num_files)
-        yield CounterMetricFamily("streamchat_tier_disk_writes_total", "Session files written",
-                                  value=disk.num_writes)
-        yield CounterMetricFamily("streamchat_tier_disk_written_bytes_total", "Bytes of session files written",
-                                  value=disk.num_written_bytes)
-        yield CounterMetricFamily("streamchat_tier_disk_write_failures_total", "Session file writes that failed",
-                                  value=disk.num_write_failures)
-        yield CounterMetricFamily("streamchat_tier_disk_deletions_total",
-                                  "Session files deleted to keep the data directory within its budget",
-                                  value=disk.num_deletions)
+        yield GaugeMetricFamily("streamchat_tier_disk_files", "Saved session files", value=disk["files"])
+        for name, doc, key in (
+            ("writes", "Session files written", "writes"),
+            ("written_bytes", "Bytes of session files written", "written_bytes"),
+            ("write_failures", "Session file writes that failed", "write_failures"),
+            ("deletions", "Session files deleted to keep the data directory within its budget", "deletions"),
+        ):
+            yield CounterMetricFamily(f"streamchat_tier_disk_{name}_total", doc, value=disk[key])

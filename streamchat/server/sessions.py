@@ -17,6 +17,10 @@ import hashlib
 import logging
 from dataclasses import dataclass, field
 
+import time
+from contextlib import asynccontextmanager
+
+from streamchat.engine import api
 from streamchat.engine.async_engine import AsyncEngine
 from streamchat.server.events import new_id, session_object
 from streamchat.store import AsyncStore, hash_token, new_resume_token, verify_token
@@ -52,9 +56,11 @@ class LiveSession:
     stored: bool = False
     last_item_id: str | None = None
     open_item_id: str | None = None
+    open_item_chars: int = 0  # characters appended to the open item by this daemon
     response_id: str | None = None
     response_owner: object = None  # the connection that asked for the running response
     attached: int = 0
+    detached_at: float = 0.0  # when the last connection let go (monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -68,6 +74,7 @@ class Hub:
         self.cache_cfg = cache_cfg
         self.sessions: dict[str, LiveSession] = {}
         self._resuming: dict[str, tuple[asyncio.Lock, int]] = {}  # one restore at a time per id, and its users
+        self.submit = engine.submit
 
     def describe(self, s: LiveSession, with_token: bool = False) -> dict:
         return session_object(
@@ -81,7 +88,7 @@ class Hub:
     async def create(self) -> LiveSession:
         token = new_resume_token()
         s = LiveSession(new_id("sess"), hash_token(token), token)
-        await self.engine.call(self.engine.engine.open_session, s.id, "")
+        await self.submit(api.OpenSession(s.id, ""))
         self.sessions[s.id] = s
         return s
 
@@ -95,15 +102,58 @@ class Hub:
                 "window_tokens": self.cache_cfg.window_tokens, "block_size": self.cache_cfg.block_size}
 
     async def update(self, s: LiveSession, instructions: str | None, max_output_tokens) -> None:
-        if instructions is not None and instructions != s.instructions:
-            await self.engine.call(self.engine.engine.set_instructions, s.id, instructions)
-            s.instructions = instructions
-        if max_output_tokens is not None:
-            s.max_output_tokens = max_output_tokens
-        if s.stored:
-            await self.store.update_session(s.id, instructions=s.instructions, settings=self._settings(s))
-        else:
-            await self.ensure_stored(s)
+        """Stored first; then the engine takes the new prompt (rebuilt from the store if it fails)."""
+        new_instructions = instructions if instructions is not None else s.instructions
+        new_max = max_output_tokens if max_output_tokens is not None else s.max_output_tokens
+        old = (s.instructions, s.max_output_tokens)
+        s.instructions, s.max_output_tokens = new_instructions, new_max
+        try:
+            if s.stored:
+                await self.store.update_session(s.id, instructions=s.instructions, settings=self._settings(s))
+            else:
+                await self.ensure_stored(s)
+        except BaseException:
+            s.instructions, s.max_output_tokens = old
+            raise
+        if new_instructions != old[0]:
+            try:
+                await self.submit(api.SetInstructions(s.id, new_instructions))
+            except Exception:
+                await self.rebuild(s)
+                raise
+
+    async def queue(self, s: LiveSession, prepared: api.Prepared, ticket=None) -> int:
+        """Queue work the store already holds; if the engine fails, the session is rebuilt from
+        the store, so its context never lacks what was acknowledged."""
+        try:
+            return await self.submit(api.Queue(prepared, ticket))
+        except Exception:
+            await self.rebuild(s)
+            if ticket is not None and not ticket.done():
+                ticket.set_result(0)
+            raise
+
+    async def commit_text(self, s: LiveSession, ticket) -> None:
+        try:
+            await self.submit(api.CommitText(s.id, ticket))
+        except Exception:
+            await self.rebuild(s)
+            if not ticket.done():
+                ticket.set_result(0)
+            raise
+
+    async def rebuild(self, s: LiveSession) -> None:
+        """The engine's copy of the session is not trusted: build it again from the store."""
+        log.warning("session %s: rebuilding its context from the transcript", s.id)
+        try:
+            await self.submit(api.CloseSession(s.id))
+            items = await self.store.items(s.id) if s.stored else []
+            messages = tuple((i.role, i.text, i.item_id != s.open_item_id)
+                             for i in items if i.text or i.kind != "response")
+            await self.submit(api.RestoreTranscript(s.id, s.instructions, messages))
+        except Exception:
+            log.exception("session %s: rebuild failed; it is rebuilt on its next resume", s.id)
+            self.sessions.pop(s.id, None)
 
     async def resume(self, session_id: str, token: str) -> tuple[LiveSession, str]:
         """The session and where it came from: memory, disk or transcript.
@@ -111,11 +161,17 @@ class Hub:
         A session still in the daemon is prefetched to the device from a
         lower tier before this returns, so its first item finds it there.
         """
+        async with self._id_lock(session_id):
+            return await self._resume(session_id, token)
+
+    @asynccontextmanager
+    async def _id_lock(self, session_id: str):
+        """One restore or release of a session id at a time (counted, so the map stays small)."""
         lock, users = self._resuming.get(session_id, (asyncio.Lock(), 0))
         self._resuming[session_id] = (lock, users + 1)
         try:
             async with lock:
-                return await self._resume(session_id, token)
+                yield
         finally:
             lock, users = self._resuming[session_id]
             if users == 1:
@@ -128,7 +184,7 @@ class Hub:
         if live is not None:
             if not (live.stored and verify_token(token, live.token_hash)):
                 raise SessionNotFound
-            origin = await self.engine.call(self.engine.engine.prefetch, session_id)
+            origin = await self.submit(api.Prefetch(session_id))
             return live, "disk" if origin == "disk" else "memory"
         record = await self.store.get_session(session_id)
         if record is None or not verify_token(token, record.token_hash):
@@ -141,26 +197,25 @@ class Hub:
         open_items = [i for i in items if i.status == "in_progress" and i.kind == "append"]
         s.open_item_id = open_items[-1].item_id if open_items else None
         await self._close_interrupted(items)
-        messages = [(i.role, i.text, i.item_id != s.open_item_id) for i in items if i.text or i.kind != "response"]
+        messages = tuple((i.role, i.text, i.item_id != s.open_item_id)
+                         for i in items if i.text or i.kind != "response")
         restored_from = "disk" if await self._restore_saved(s, messages, mark) else "transcript"
         if restored_from == "transcript":
-            await self.engine.call(self.engine.engine.restore_session, s.id, s.instructions, messages)
+            await self.submit(api.RestoreTranscript(s.id, s.instructions, messages))
         self.sessions[s.id] = s
         return s, restored_from
 
     async def _restore_saved(self, s: LiveSession, messages, mark: str) -> bool:
         """Load the session's saved KV if its file is whole, ours, and matches the transcript."""
-        pager = self.engine.engine.pager
-        if pager is None or pager.disk is None:
+        if not self.has_disk:
             return False
         try:  # read and checked off the engine thread: other sessions keep streaming
-            snap = await asyncio.to_thread(pager.disk.load, s.id, mark)
-            reason = await self.engine.call(self.engine.engine.restore_saved, s.id, s.instructions, messages, snap)
+            snap = await self.submit(api.LoadSaved(s.id, mark))
+            reason = await self.submit(api.RestoreSaved(s.id, s.instructions, messages, snap))
             if reason is not None:
                 raise KVFileError(reason, "the saved KV does not fit this session now"
                                   if reason == "prompt" else "no room in the KV pool")
         except KVFileError as exc:
-            pager.note_failure(exc.reason)
             log.warning("session %s: saved KV not used (%s); rebuilding it from the transcript", s.id, exc)
             return False
         log.info("session %s: KV loaded from disk (%d tokens)", s.id, len(snap.state.token_ids))
@@ -168,26 +223,47 @@ class Hub:
 
     async def checkpoint_idle(self, idle_s: float) -> int:
         """Save sessions idle for `idle_s` to disk with their transcript mark; returns how many."""
-        eng = self.engine.engine
         saved = 0
-        for sid in await self.engine.call(eng.checkpoint_candidates, idle_s):
+        for sid in await self.submit(api.CheckpointCandidates(idle_s)):
             s = self.sessions.get(sid)
             if s is None or not s.stored or s.response_id is not None or s.lock.locked():
                 continue
             async with s.lock:  # no event of this session runs: the store holds all it has seen
                 if s.response_id is None:
                     mark = await self._mark(s)
-                    saved += await self.engine.call(eng.checkpoint, sid, mark)
+                    saved += await self.submit(api.Checkpoint(sid, mark))
         return saved
 
-    async def persist_all(self) -> int:
+    async def release_idle(self, idle_s: float) -> int:
+        """Sessions no connection has held for `idle_s` leave memory (their KV to disk when it
+        can go there); a later resume loads them from the store. Returns how many left."""
+        now = time.monotonic()
+        released = 0
+        for s in list(self.sessions.values()):
+            if s.attached > 0 or s.response_id is not None or now - s.detached_at < idle_s or s.lock.locked():
+                continue
+            async with self._id_lock(s.id), s.lock:
+                if s.attached > 0 or s.response_id is not None or self.sessions.get(s.id) is not s:
+                    continue
+                mark = await self._mark(s) if self.has_disk else None
+                if await self.submit(api.Release(s.id, mark)):
+                    del self.sessions[s.id]
+                    released += 1
+        if released:
+            log.info("%d idle sessions left memory; %d remain", released, len(self.sessions))
+        return released
+
+    @property
+    def has_disk(self) -> bool:
+        return self.engine.snapshot.tiers.get("disk") is not None
+
+    async def persist_all(self, timeout_s: float = 10.0) -> int:
         """Shutdown: every stored session to disk, stamped with its transcript mark."""
-        eng = self.engine.engine
-        if eng.pager is None or eng.pager.disk is None:
+        if not self.has_disk:
             return 0
         marks = {s.id: await self._mark(s) for s in list(self.sessions.values()) if s.stored}
-        saved = await self.engine.call(eng.persist, marks)
-        log.info("saved %d of %d sessions to %s", saved, len(marks), eng.pager.disk.root)
+        saved = await self.submit(api.Persist(marks, timeout_s), timeout_s=timeout_s + 5)
+        log.info("saved %d of %d sessions to disk", saved, len(marks))
         return saved
 
     async def _mark(self, s: LiveSession) -> str:
@@ -203,6 +279,7 @@ class Hub:
     async def detach(self, s: LiveSession) -> None:
         """A connection let go of the session; an unstored session with nobody left is dropped."""
         s.attached -= 1
+        s.detached_at = time.monotonic()
         if s.attached <= 0 and not s.stored:
             self.sessions.pop(s.id, None)
-            await self.engine.call(self.engine.engine.close_session, s.id)
+            await self.submit(api.CloseSession(s.id))

@@ -24,6 +24,7 @@ import logging
 import threading
 
 from streamchat.cache.manager import SeqCache, chain_hash
+from streamchat.engine.session import Residency
 from streamchat.tiers import kvfile
 from streamchat.tiers.disk import DiskTier
 from streamchat.tiers.host import HostTier, copy_blocks
@@ -58,7 +59,7 @@ class Pager:
             return False
         self.manager.free(seq)
         s.seq = self.manager.new_seq(s.pinned_tokens)
-        s.resident, s.dropped_tokens, s.tier, s.parked = False, list(state.token_ids), target, state
+        s.residency, s.dropped_tokens, s.parked = Residency(target), list(state.token_ids), state
         self.moves[("device", target)] += 1
         return True
 
@@ -95,7 +96,7 @@ class Pager:
                 Snapshot(s.session_id, entry.state, self.host.gather(entry), s.transcript_mark), s.kv_version)
             to = "disk" if taken else "dropped"
         self.host.release(entry)
-        s.tier = to
+        s.residency = Residency(to)
         self.moves[("host", to)] += 1
 
     def on_disk(self, s) -> bool:
@@ -128,7 +129,7 @@ class Pager:
             except KVFileError as exc:
                 self.note_failure(exc.reason)
                 log.warning("session %s: saved KV not used (%s); rebuilding it from its tokens", s.session_id, exc)
-                s.tier, s.parked = "dropped", None
+                s.residency, s.parked = Residency.DROPPED, None
                 return False
             seq = self.to_device(snap.state, lambda rows, ids: kvfile.scatter(snap.tensors, rows, self.kv, ids),
                                  make_free)
@@ -137,7 +138,7 @@ class Pager:
         else:
             return False
         self.moves[(s.tier, "device")] += 1
-        s.seq, s.resident, s.dropped_tokens, s.tier, s.parked = seq, True, [], "device", None
+        s.seq, s.residency, s.dropped_tokens, s.parked = seq, Residency.DEVICE, [], None
         return True
 
     def to_device(self, state: SeqState, copy_rows, make_free) -> SeqCache | None:

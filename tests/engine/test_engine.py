@@ -119,7 +119,7 @@ def test_cancel_and_close_return_blocks_and_engine_keeps_serving(bundled_fp32):
         step_checked(eng)
     [*deltas, fin] = eng.cancel_response("a")
     assert isinstance(fin, ResponseFinished) and fin.status == "cancelled"
-    assert fin.reason == "client_cancelled" and fin.usage["output_tokens"] >= 1
+    assert fin.reason == "client_cancelled" and fin.usage.output_tokens >= 1
     assert eng.cancel_response("a") == []
     with pytest.raises(EngineError) as err:
         eng.start_response("b", "again", SamplingParams())
@@ -142,11 +142,11 @@ def test_turns_prefill_only_new_tokens_and_report_cached(bundled_fp32):
     eng.open_session("s", "You are terse.")
     eng.add_item("s", "user", "Name a color.")
     [first] = llm.respond(["s"], max_tokens=8)
-    context_after_first = eng.session_stats("s")["context_tokens"]
+    context_after_first = eng.session_stats("s").context_tokens
     eng.add_item("s", "user", "Another one.")
     [second] = llm.respond(["s"], max_tokens=8)
-    assert second.usage["input_token_details"]["cached_tokens"] >= context_after_first - 1
-    assert second.usage["input_tokens"] > first.usage["input_tokens"]
+    assert second.usage.cached_tokens >= context_after_first - 1
+    assert second.usage.input_tokens > first.usage.input_tokens
 
 
 def test_prefilled_tickets_report_in_order(bundled_fp32):

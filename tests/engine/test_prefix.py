@@ -18,9 +18,9 @@ def test_shared_system_prompt_gives_the_same_greedy_reply_as_cold(bundled_fp32):
     llm = make(bundled_fp32)
     first = llm.chat(["Hello!"], 8, SYSTEM)[0]
     warm = llm.chat(["How long does a parcel to Spain take?"], 32, SYSTEM)[0]
-    assert first.usage["input_token_details"]["cached_tokens"] == 0
+    assert first.usage.cached_tokens == 0
     prompt_blocks = len(llm.engine.chat.message("system", SYSTEM)) // 16
-    assert warm.usage["input_token_details"]["cached_tokens"] >= prompt_blocks * 16
+    assert warm.usage.cached_tokens >= prompt_blocks * 16
     assert warm.token_ids == cold.token_ids
 
 
@@ -43,7 +43,7 @@ def test_n_sessions_hold_the_system_prompt_once(bundled_fp32):
     assert len(own) == sum(len(t) - full for t in tables), "no block beyond the prompt is shared"
     assert eng.pool.num_used == full + len(own)
     stats = eng.session_stats("s3")
-    assert stats["blocks"]["shared"] == full and stats["prefix"]["hit_tokens"] == full * 16
+    assert stats.shared_blocks == full and stats.prefix_hit_tokens == full * 16
     assert eng.manager.num_prefix_hit_tokens == 5 * full * 16
 
 

@@ -83,7 +83,7 @@ def test_tiny_pool_pages_sessions_through_host_and_disk_exactly(bundled_fp32, re
     assert moves[("disk", "device")] or moves[("device", "disk")]
     assert eng.scheduler.stats.idle_drops == 0 and eng.scheduler.stats.preemptions == 0
     assert {s.tier for s in eng.sessions.values()} >= {"device"}
-    assert eng.session_stats("s0")["evicted_tokens"] > 0
+    assert eng.session_stats("s0").evicted_tokens > 0
     for i in range(5):
         eng.close_session(f"s{i}")
     eng.check()
@@ -119,7 +119,7 @@ def test_pristine_sessions_share_prefix_blocks_in_host_and_on_page_in(bundled_fp
             eng.check()
             assert (a.tier, b.tier) == ("host", "host")
             assert eng.pager.host.pool.num_used == blocks - shared
-            assert eng.prefetch("a") == "host" and a.tier == "device" and not a.busy  # a resume
+            assert eng.tiering.prefetch("a") == "host" and a.tier == "device" and not a.busy  # a resume
             eng.check()
         for sid in ("a", "b"):
             replies[llm, sid, 1] = turn(eng, sid, "And a star?")
@@ -141,8 +141,8 @@ def test_prefetch_of_a_dropped_session_starts_its_rebuild(bundled_fp32):
     s = eng.sessions["a"]
     tokens = list(s.seq.token_ids)
     eng.scheduler.drop(s)
-    assert s.tier == "dropped" and eng.session_stats("a")["tier"] == "dropped"
-    assert eng.prefetch("a") == "dropped" and s.busy and list(s.pending[0].token_ids) == tokens
+    assert s.tier == "dropped" and eng.session_stats("a").residency == "dropped"
+    assert eng.tiering.prefetch("a") == "dropped" and s.busy and list(s.pending[0].token_ids) == tokens
     llm.drain()
     assert s.seq.token_ids == tokens and s.tier == "device"
     eng.check()
