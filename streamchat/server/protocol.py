@@ -38,12 +38,18 @@ class ErrorCode(str, enum.Enum):
     MESSAGE_TOO_LARGE = "message_too_large"
     OVERLOADED = "overloaded"
     INTERNAL = "internal"
+    STORE_UNAVAILABLE = "store_unavailable"
+    ITEM_ID_IN_USE = "item_id_in_use"
+    PENDING_LIMIT_EXCEEDED = "pending_limit_exceeded"
+    ENGINE_UNAVAILABLE = "engine_unavailable"
 
 
 ERROR_CODES: tuple[str, ...] = tuple(code.value for code in ErrorCode)
 # Codes reported with error.type "server_error"; all others are
 # "invalid_request_error".
-SERVER_ERROR_CODES: frozenset[str] = frozenset({"overloaded", "internal"})
+SERVER_ERROR_CODES: frozenset[str] = frozenset(
+    {"overloaded", "internal", "store_unavailable", "engine_unavailable"},
+)
 
 # Sampling ranges, equal to streamchat.model.sampling's (docs/protocol.md,
 # "Sampling numbers"): signed 64 bits, so every admitted integer fits an
