@@ -9,12 +9,16 @@ server does with an event; server events are built in
 
 Leniency rules (see docs/protocol.md): unknown fields are ignored, a JSON
 `null` in an optional field means "absent", and every field we use is
-type- and range-checked.
+type- and range-checked. Numbers are refused unless finite, even if a
+decoder more lenient than orjson let NaN or an infinity through; the
+sampling ranges repeat those of `streamchat.model.sampling` (which imports
+torch), and a test keeps the two equal.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Literal, Union
@@ -34,12 +38,25 @@ class ErrorCode(str, enum.Enum):
     MESSAGE_TOO_LARGE = "message_too_large"
     OVERLOADED = "overloaded"
     INTERNAL = "internal"
+    STORE_UNAVAILABLE = "store_unavailable"
+    ITEM_ID_IN_USE = "item_id_in_use"
+    PENDING_LIMIT_EXCEEDED = "pending_limit_exceeded"
+    ENGINE_UNAVAILABLE = "engine_unavailable"
 
 
 ERROR_CODES: tuple[str, ...] = tuple(code.value for code in ErrorCode)
 # Codes reported with error.type "server_error"; all others are
 # "invalid_request_error".
-SERVER_ERROR_CODES: frozenset[str] = frozenset({"overloaded", "internal"})
+SERVER_ERROR_CODES: frozenset[str] = frozenset(
+    {"overloaded", "internal", "store_unavailable", "engine_unavailable"},
+)
+
+# Sampling ranges, equal to streamchat.model.sampling's (docs/protocol.md,
+# "Sampling numbers"): signed 64 bits, so every admitted integer fits an
+# int64 wherever it is kept.
+TEMPERATURE_MAX = 2.0
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+TOP_K_MAX = 2**63 - 1
 
 _INVALID = ErrorCode.INVALID_EVENT
 
@@ -66,9 +83,11 @@ class Limits:
     max_output_tokens: int = 32_768  # upper bound of every max_output_tokens field
     max_stop_strings: int = 16  # entries in response.stop
     max_event_id_chars: int = 256  # event_id and every client-supplied id or token
+    max_stop_chars: int = 256  # code points in each response.stop entry
 
     def __post_init__(self) -> None:
-        for name in ("max_text_chars", "max_output_tokens", "max_stop_strings", "max_event_id_chars"):
+        for name in ("max_text_chars", "max_output_tokens", "max_stop_strings", "max_event_id_chars",
+                     "max_stop_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be >= 1")
 
@@ -255,24 +274,25 @@ def _max_tokens(obj: dict[str, Any], where: str, limits: Limits) -> MaxTokens | 
 def _number(
     obj: dict[str, Any], key: str, where: str, low: float, high: float, *, low_open: bool = False,
 ) -> float | None:
+    """A finite int or float in the interval, as a float; -0.0 becomes 0.0."""
     value = obj.get(key)
     if value is None:
         return None
-    above_low = type(value) in (int, float) and (low < value if low_open else low <= value)
-    in_range = above_low and value <= high
+    finite = type(value) in (int, float) and math.isfinite(value)
+    in_range = finite and (low < value if low_open else low <= value) and value <= high
     if not in_range:
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
         raise ProtocolError(_INVALID, f"{where}{key} must be a number in {interval}")
-    return float(value)
+    return float(value) + 0.0  # -0.0 + 0.0 is 0.0
 
 
-def _integer(obj: dict[str, Any], key: str, where: str, *, minimum: int | None = None) -> int | None:
+def _integer(obj: dict[str, Any], key: str, where: str, low: int, high: int) -> int | None:
+    """An int (never a float, even 1.0, nor a bool) in [low, high]."""
     value = obj.get(key)
     if value is None:
         return None
-    if type(value) is not int or (minimum is not None and value < minimum):
-        bound = "" if minimum is None else f" >= {minimum}"
-        raise ProtocolError(_INVALID, f"{where}{key} must be an integer{bound}")
+    if type(value) is not int or not low <= value <= high:
+        raise ProtocolError(_INVALID, f"{where}{key} must be an integer in [{low}, {high}]")
     return value
 
 
@@ -283,8 +303,9 @@ def _stop(obj: dict[str, Any], where: str, limits: Limits) -> tuple[str, ...] | 
     if not isinstance(value, list) or len(value) > limits.max_stop_strings:
         limit = limits.max_stop_strings
         raise ProtocolError(_INVALID, f"{where}stop must be a list of at most {limit} strings")
-    if not all(isinstance(s, str) and s for s in value):
-        raise ProtocolError(_INVALID, f"{where}stop entries must be non-empty strings")
+    limit = limits.max_stop_chars
+    if not all(isinstance(s, str) and 0 < len(s) <= limit for s in value):
+        raise ProtocolError(_INVALID, f"{where}stop entries must be strings of 1 to {limit} characters")
     return tuple(value)
 
 
@@ -355,10 +376,10 @@ def _parse_response_create(obj: dict[str, Any], event_id: str | None, limits: Li
         event_id=event_id,
         max_output_tokens=_max_tokens(response, where, limits),
         instructions=_text(response, "instructions", where, limits, required=False),
-        temperature=_number(response, "temperature", where, 0.0, 2.0),
+        temperature=_number(response, "temperature", where, 0.0, TEMPERATURE_MAX),
         top_p=_number(response, "top_p", where, 0.0, 1.0, low_open=True),
-        top_k=_integer(response, "top_k", where, minimum=0),
-        seed=_integer(response, "seed", where),
+        top_k=_integer(response, "top_k", where, 0, TOP_K_MAX),
+        seed=_integer(response, "seed", where, SEED_MIN, SEED_MAX),
         stop=_stop(response, where, limits),
     )
 

@@ -1,6 +1,7 @@
 """Pins the wire protocol: client events parsed to exact dataclasses, exact error codes, exact server events."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -9,9 +10,11 @@ import orjson
 import pytest
 
 from streamchat.server import events as E
+from streamchat.server import protocol
 from streamchat.server.protocol import (
     CLIENT_EVENT_TYPES,
     ERROR_CODES,
+    SERVER_ERROR_CODES,
     ErrorCode,
     InputTextAppend,
     InputTextCommit,
@@ -26,7 +29,8 @@ from streamchat.server.protocol import (
     parse_client_event,
 )
 
-LIMITS = Limits(max_text_chars=100, max_output_tokens=4096, max_stop_strings=4, max_event_id_chars=32)
+LIMITS = Limits(max_text_chars=100, max_output_tokens=4096, max_stop_strings=4, max_event_id_chars=32,
+                max_stop_chars=8)
 
 
 def parse(event):
@@ -131,6 +135,7 @@ def test_limit_boundaries_are_inclusive():
     assert parse({"type": "streamchat.input_text.append", "text": "x" * 100}).text == "x" * 100
     assert parse({"type": "response.create", "response": {"max_output_tokens": 4096}}).max_output_tokens == 4096
     assert parse({"type": "response.create", "response": {"stop": list("abcd")}}).stop == tuple("abcd")
+    assert parse({"type": "response.create", "response": {"stop": ["é" * 8]}}).stop == ("é" * 8,)
     assert parse({"type": "streamchat.session.stats", "event_id": "e" * 32}).event_id == "e" * 32
     assert parse({"type": "response.create", "response": {"temperature": 2, "top_p": 1}}).temperature == 2.0
 
@@ -143,8 +148,10 @@ def test_error_codes_are_the_spec_codes():
     assert ERROR_CODES == (
         "invalid_json", "invalid_event", "unknown_event", "conversation_already_has_active_response",
         "response_cancel_not_active", "session_not_found", "message_too_large", "overloaded", "internal",
+        "store_unavailable", "item_id_in_use", "pending_limit_exceeded", "engine_unavailable",
     )
     assert tuple(c.value for c in ErrorCode) == ERROR_CODES
+    assert SERVER_ERROR_CODES == {"overloaded", "internal", "store_unavailable", "engine_unavailable"}
 
 
 def test_protocol_error_fields_and_unknown_code():
@@ -166,6 +173,11 @@ ERRORS = [
     ('{"type": "streamchat.input_text.append", "text": "\ud800"}', "invalid_json", None),
     ('{"type": "response.create", "response": {"temperature": NaN}}', "invalid_json", None),
     ('{"type": "response.create", "response": {"temperature": 1e400}}', "invalid_json", None),
+    ('{"type": "response.create", "response": {"temperature": 1e999}}', "invalid_json", None),
+    ('{"type": "response.create", "response": {"top_p": -1e999}}', "invalid_json", None),
+    ('{"type": "response.create", "response": {"top_k": Infinity}}', "invalid_json", None),
+    ('{"type": "response.create", "response": {"seed": -Infinity}}', "invalid_json", None),
+    ('{"type": "session.update", "session": {"max_output_tokens": NaN}}', "invalid_json", None),
     ("[" * 2000 + "]" * 2000, "invalid_json", None),
     ('{"a":' * 1100 + "1" + "}" * 1100, "invalid_json", None),
     ("\ufeff{}", "invalid_json", None),
@@ -214,6 +226,16 @@ ERRORS = [
     ({"type": "response.create", "response": {"top_k": 1.0}}, "invalid_event", None),
     ({"type": "response.create", "response": {"seed": "1"}}, "invalid_event", None),
     ({"type": "response.create", "response": {"seed": 18446744073709551616}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"seed": 2**64 - 1}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"seed": 2**63}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"seed": -(2**63) - 1}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"seed": -0.0}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"top_k": 2**63}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"top_k": -0.0}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"temperature": 2**64 - 1}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"top_p": -0.0}}, "invalid_event", None),
+    ({"type": "response.create", "event_id": "e6", "response": {"stop": ["x" * 9]}}, "invalid_event", "e6"),
+    ({"type": "response.create", "response": {"stop": ["ok", "é" * 9]}}, "invalid_event", None),
     ({"type": "response.create", "response": {"stop": "x"}}, "invalid_event", None),
     ({"type": "response.create", "response": {"stop": [""]}}, "invalid_event", None),
     ({"type": "response.create", "response": {"stop": [1]}}, "invalid_event", None),
@@ -255,9 +277,50 @@ def test_non_frame_argument_is_a_type_error():
 
 
 def test_limits_must_be_positive():
-    """A zero limit is a configuration mistake."""
-    with pytest.raises(ValueError):
-        Limits(max_stop_strings=0)
+    """A zero limit is a configuration mistake, for every limit."""
+    for name in ("max_text_chars", "max_output_tokens", "max_stop_strings", "max_event_id_chars", "max_stop_chars"):
+        with pytest.raises(ValueError):
+            Limits(**{name: 0})
+    assert Limits().max_stop_chars == 256
+
+
+# -- numbers at the edges of what orjson and the ranges admit -------------------------------
+
+NUMBERS = [
+    # (raw response object, the ResponseCreate fields it parses to)
+    ('{"temperature": -0.0}', {"temperature": 0.0}),
+    ('{"temperature": 5e-324, "top_p": 5e-324}', {"temperature": 5e-324, "top_p": 5e-324}),
+    ('{"temperature": 1e-400}', {"temperature": 0.0}),
+    ('{"temperature": 1e-300, "top_p": 1.0e0}', {"temperature": 1e-300, "top_p": 1.0}),
+    ('{"top_k": -0, "seed": -0}', {"top_k": 0, "seed": 0}),
+    ('{"top_k": 9223372036854775807, "seed": -9223372036854775808}', {"top_k": 2**63 - 1, "seed": -(2**63)}),
+    ('{"seed": 9223372036854775807}', {"seed": 2**63 - 1}),
+]
+
+
+@pytest.mark.parametrize(("raw", "fields"), NUMBERS, ids=range(len(NUMBERS)))
+def test_edge_numbers_parse_exactly(raw, fields):
+    """Negative zeros, subnormals, underflow and the int64 bounds parse to exactly these values."""
+    event = parse(f'{{"type": "response.create", "response": {raw}}}')
+    assert event == ResponseCreate(**fields)
+    if event.temperature is not None:
+        assert math.copysign(1.0, event.temperature) == 1.0  # -0.0 arrives as +0.0
+
+
+NUMERIC_FIELDS = [("response", "temperature"), ("response", "top_p"), ("response", "top_k"),
+                  ("response", "seed"), ("response", "max_output_tokens"), ("session", "max_output_tokens")]
+
+
+@pytest.mark.parametrize(("literal", "field"), [(lit, f) for lit in ("NaN", "Infinity", "-Infinity", "1e999")
+                                                for f in NUMERIC_FIELDS])
+def test_non_finite_numbers_are_invalid_event_even_from_a_lenient_decoder(monkeypatch, literal, field):
+    """If the JSON decoder let NaN or an infinity through, every numeric field still refuses it."""
+    monkeypatch.setattr(protocol.orjson, "loads", json.loads)  # the stdlib decodes all four
+    outer, key = field
+    kind = "response.create" if outer == "response" else "session.update"
+    exc = refuse(f'{{"type": "{kind}", "event_id": "e1", "{outer}": {{"{key}": {literal}}}}}')
+    assert (exc.code, exc.event_id) == ("invalid_event", "e1")
+    assert f"{outer}.{key}" in exc.message
 
 
 # -- server events ----------------------------------------------------------------------------
@@ -328,8 +391,9 @@ def test_streamchat_events():
 
 @pytest.mark.parametrize("code", ERROR_CODES)
 def test_error_event_for_each_code(code):
-    """Every code builds an error event; internal and overloaded are server_error."""
-    kind = "server_error" if code in ("internal", "overloaded") else "invalid_request_error"
+    """Every code builds an error event; internal, overloaded, store_ and engine_unavailable are server_error."""
+    server = ("internal", "overloaded", "store_unavailable", "engine_unavailable")
+    kind = "server_error" if code in server else "invalid_request_error"
     assert strip_id(E.error(code, "msg", "e1")) == {
         "type": "error", "error": {"type": kind, "code": code, "message": "msg", "event_id": "e1"}}
     assert E.error(ErrorCode(code), "msg")["error"]["event_id"] is None

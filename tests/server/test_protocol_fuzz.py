@@ -1,6 +1,7 @@
 """Fuzzes parse_client_event: any frame yields a ClientEvent or a ProtocolError with a spec code, nothing else."""
 
 import json
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,7 +18,8 @@ from streamchat.server.protocol import (
 )
 
 # Small limits so that generated values cross every boundary often.
-LIMITS = Limits(max_text_chars=64, max_output_tokens=100, max_stop_strings=3, max_event_id_chars=16)
+LIMITS = Limits(max_text_chars=64, max_output_tokens=100, max_stop_strings=3, max_event_id_chars=16,
+                max_stop_chars=3)
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -33,7 +35,18 @@ def check(frame):
     assert event.event_id is None or len(event.event_id) <= 16
     for text in (getattr(event, "text", None), getattr(event, "instructions", None)):
         assert text is None or len(text) <= 64
+    if isinstance(event, ResponseCreate):
+        check_sampling_fields(event)
     return event
+
+
+def check_sampling_fields(event):
+    """Accepted sampling fields are finite and inside the documented ranges."""
+    assert event.temperature is None or (math.isfinite(event.temperature) and 0 <= event.temperature <= 2)
+    assert event.top_p is None or 0 < event.top_p <= 1
+    assert event.top_k is None or 0 <= event.top_k <= 2**63 - 1
+    assert event.seed is None or -(2**63) <= event.seed <= 2**63 - 1
+    assert event.stop is None or (len(event.stop) <= 3 and all(0 < len(s) <= 3 for s in event.stop))
 
 
 json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | \
@@ -61,8 +74,8 @@ plausible = {
     "instructions": st.text(max_size=8) | st.text(min_size=60, max_size=70),
     "temperature": st.floats(-1, 3) | st.integers(-1, 3),
     "top_p": st.floats(-0.5, 1.5),
-    "top_k": st.integers(-2, 50),
-    "seed": st.integers(-(2**64), 2**65),
+    "top_k": st.integers(-2, 50) | st.integers(2**63 - 2, 2**64),
+    "seed": st.integers(-(2**64), 2**65) | st.integers(-(2**63) - 2, -(2**63) + 2) | st.integers(2**63 - 2, 2**63 + 2),
     "stop": st.lists(st.text(max_size=4), max_size=5),
     "text": st.text(max_size=8) | st.text(min_size=60, max_size=70),
     "role": st.sampled_from(["user", "system", "assistant", "tool", ""]),
