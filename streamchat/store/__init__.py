@@ -4,6 +4,7 @@ Torch-free: nothing here knows about the model, the engine or the KV cache.
 """
 
 from streamchat.store.async_store import AsyncStore
+from streamchat.store.errors import ITEM_ID_IN_USE, STORE_UNAVAILABLE, StoreError
 from streamchat.store.migrate import alembic_config
 from streamchat.store.records import (
     DuplicateId,
@@ -17,12 +18,15 @@ from streamchat.store.store import Store
 from streamchat.store.tokens import hash_token, new_resume_token, verify_token
 
 __all__ = [
+    "ITEM_ID_IN_USE",
+    "STORE_UNAVAILABLE",
     "AsyncStore",
     "DuplicateId",
     "ItemNotOpen",
     "ItemRecord",
     "SessionRecord",
     "Store",
+    "StoreError",
     "UnknownItem",
     "UnknownSession",
     "alembic_config",

@@ -4,7 +4,11 @@ One worker keeps calls in the order they were made, so appends land in the
 order the live feed produced them, and database work never blocks the event
 loop. A call that has been made is carried out even if its caller is
 cancelled while waiting (the caller still sees CancelledError): a transcript
-never loses a write from the middle of a sequence.
+never loses a write from the middle of a sequence. Its failure is then logged
+from the worker thread, so it is seen even if the event loop is gone by the
+time the call ends. Failures reach the awaiting caller unchanged (StoreError
+for the database's own, see `streamchat.store.errors`); a failed call does not
+hold up or reorder the calls queued behind it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from streamchat.store.records import ItemRecord, SessionRecord
@@ -32,12 +36,13 @@ class AsyncStore:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamchat-store")
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        job = self._executor.submit(functools.partial(fn, *args, **kwargs))
         try:
             # Shielded: cancelling the caller must not pull a queued write out of the sequence.
-            return await asyncio.shield(job)
+            return await asyncio.shield(asyncio.wrap_future(job))
         except asyncio.CancelledError:
+            # On the thread's own future, not the loop's wrapper: a wrapper whose loop
+            # has closed never completes, and the failure would vanish unlogged.
             job.add_done_callback(_report_orphaned_failure)
             raise
 
@@ -116,7 +121,7 @@ class AsyncStore:
         logger.debug("async store closed")
 
 
-def _report_orphaned_failure(job: asyncio.Future[Any]) -> None:
+def _report_orphaned_failure(job: Future[Any]) -> None:
     """Log the error of a call whose caller was cancelled, since nobody else will see it."""
     if not job.cancelled() and job.exception() is not None:
         logger.error("store call failed after its caller was cancelled", exc_info=job.exception())

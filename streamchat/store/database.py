@@ -5,14 +5,16 @@ commit is fsynced before it returns, which "acknowledged means committed"
 needs; NORMAL could lose the last commits on power loss) and
 `foreign_keys=ON`. The driver's own transaction handling is switched off and
 `BEGIN` is emitted by SQLAlchemy instead, so reads are consistent and schema
-changes roll back with the migration that failed. Any other URL (PostgreSQL)
-is used as given.
+changes roll back with the migration that failed. A SQLite URI filename
+(`sqlite:///file:/path/x.db?mode=ro&uri=true`) names the same file as its
+plain path. Any other URL (PostgreSQL) is used as given.
 """
 
 from __future__ import annotations
 
 import logging
 import sqlite3
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ def make_engine(url: str | URL) -> Engine:
         # One shared connection, so every thread sees the same in-memory database.
         kwargs = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
     else:
-        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        sqlite_file(parsed).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(parsed, **kwargs)
     event.listen(engine, "connect", _on_sqlite_connect)
     event.listen(engine, "begin", _on_sqlite_begin)
@@ -44,9 +46,24 @@ def make_engine(url: str | URL) -> Engine:
 
 
 def is_memory_sqlite(url: URL) -> bool:
-    """Whether `url` names a private in-memory SQLite database."""
+    """Whether `url` names an in-memory SQLite database."""
     database = url.database or ""
-    return database in ("", ":memory:") or "mode=memory" in database
+    in_memory = "mode=memory" in database or url.query.get("mode") == "memory"
+    return in_memory or _filename(url) in ("", ":memory:")
+
+
+def sqlite_file(url: URL) -> Path:
+    """The file a SQLite URL names, whether a plain path or a `file:` URI."""
+    assert not is_memory_sqlite(url), url
+    return Path(_filename(url)).expanduser()
+
+
+def _filename(url: URL) -> str:
+    database = url.database or ""
+    if database.startswith("file:") and str(url.query.get("uri", "")).lower() in ("true", "1"):
+        # `file:/a/x.db`, `file:///a/x.db` and `file:x.db`: only the path part names the file.
+        return urllib.parse.unquote(urllib.parse.urlsplit(database).path)
+    return database
 
 
 def _on_sqlite_connect(dbapi_connection: sqlite3.Connection, record: ConnectionPoolEntry) -> None:

@@ -13,7 +13,7 @@ import os
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.engine import URL, make_url
 
 import streamchat.migrations
@@ -44,6 +44,18 @@ def upgrade_to_head(engine: Engine) -> None:
         cfg.attributes["connection"] = connection
         command.upgrade(cfg, "head")
     logger.info("store schema at revision %s", current_revision(engine))
+
+
+def check_writable(engine: Engine) -> None:
+    """Raise the driver's error unless the database takes a write; changes nothing.
+
+    A migration already at head writes nothing, so without this a read-only
+    file (SQLite `mode=ro`, a read-only mount) would only fail at the first write.
+    """
+    with engine.connect() as connection:
+        # Rewrites the version row with its own value; any write needs the write lock.
+        connection.execute(text("UPDATE alembic_version SET version_num = version_num"))
+        connection.rollback()
 
 
 def current_revision(engine: Engine) -> str | None:

@@ -41,7 +41,10 @@ class ItemNotOpen(ValueError):
 
 
 class DuplicateId(ValueError):
-    """A session or item with this id already exists."""
+    """A session with this id already exists (session ids are the server's own, so this is misuse).
+
+    A client-chosen item id already in use is `StoreError` with code item_id_in_use instead.
+    """
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

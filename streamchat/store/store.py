@@ -6,13 +6,21 @@ Methods are synchronous and blocking; the event loop reaches them only
 through `streamchat.store.async_store.AsyncStore`. The store knows nothing of
 the protocol beyond the ids and words it is handed, nor of the engine or the
 KV cache. The schema comes only from `migrate()`.
+
+Failures: a database that cannot serve a call (locked, read-only, full, I/O
+error) and a client item id already in use raise `StoreError` with a code,
+after the call's transaction has been rolled back, so the content is exactly
+as before. Misuse (unknown ids, bad words, a duplicate session id) keeps its
+own exceptions from `records`. Every call runs in `_write()` or `_read()`,
+which is where the translation is applied.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn
 
 from sqlalchemy import Engine, select, update
@@ -20,7 +28,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from streamchat.store.database import make_engine
-from streamchat.store.migrate import upgrade_to_head
+from streamchat.store.errors import translate_errors
+from streamchat.store.migrate import check_writable, upgrade_to_head
 from streamchat.store.models import ItemRow, SessionRow
 from streamchat.store.records import (
     FINAL_STATUSES,
@@ -64,8 +73,14 @@ class Store:
         return self._engine
 
     def migrate(self) -> None:
-        """Bring the schema to the newest revision (`alembic upgrade head`)."""
-        upgrade_to_head(self._engine)
+        """Bring the schema to the newest revision (`alembic upgrade head`), then prove it takes writes.
+
+        StoreError (store_unavailable) for a database that cannot be opened,
+        migrated or written, so a read-only file fails at start-up, not at the first write.
+        """
+        with translate_errors():
+            upgrade_to_head(self._engine)
+            check_writable(self._engine)
 
     def close(self) -> None:
         """Close every pooled connection; the store is unusable afterwards."""
@@ -77,6 +92,20 @@ class Store:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Session]:
+        """One transaction, committed on success and rolled back on any error, with errors translated."""
+        # translate_errors is outermost: a failed COMMIT is translated too, and
+        # only once the rollback has run, so a StoreError means "nothing changed".
+        with translate_errors(), self._sessions.begin() as db:
+            yield db
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[Session]:
+        """A read-only ORM session (rolled back on close), with errors translated."""
+        with translate_errors(), self._sessions() as db:
+            yield db
 
     # -- sessions ---------------------------------------------------------
 
@@ -98,7 +127,7 @@ class Store:
             status="active",
         )
         try:
-            with self._sessions.begin() as db:
+            with self._write() as db:
                 db.add(row)
         except IntegrityError as exc:
             raise DuplicateId(f"session {session_id!r} already exists") from exc
@@ -106,7 +135,7 @@ class Store:
 
     def get_session(self, session_id: str) -> SessionRecord | None:
         """The committed session, or None if there is none with this id."""
-        with self._sessions() as db:
+        with self._read() as db:
             row = db.get(SessionRow, session_id)
             return None if row is None else SessionRecord.from_row(row)
 
@@ -134,7 +163,7 @@ class Store:
                 check_count(name, count)
                 values[name] = count
         statement = update(SessionRow).where(SessionRow.id == session_id).values(**values)
-        with self._sessions.begin() as db:
+        with self._write() as db:
             if db.execute(statement, execution_options=_NO_SYNC).rowcount == 0:
                 raise UnknownSession(session_id)
 
@@ -142,7 +171,7 @@ class Store:
         """Up to `limit` sessions, most recently active first."""
         check_count("limit", limit)
         query = select(SessionRow).order_by(SessionRow.last_active_at.desc(), SessionRow.id).limit(limit)
-        with self._sessions() as db:
+        with self._read() as db:
             return [SessionRecord.from_row(row) for row in db.scalars(query)]
 
     # -- items ------------------------------------------------------------
@@ -150,31 +179,31 @@ class Store:
     def add_item(
         self, session_id: str, item_id: str, role: str, kind: str, text: str, status: str, num_tokens: int
     ) -> ItemRecord:
-        """Append an item at the next seq; bumps the session's num_items and last_active_at."""
+        """Append an item at the next seq; bumps the session's num_items and last_active_at.
+
+        StoreError (item_id_in_use) if the session already has an item with this id.
+        """
         check_word("role", role, ROLES)
         check_word("kind", kind, KINDS)
         check_word("status", status, ITEM_STATUSES)
         check_count("num_tokens", num_tokens)
         now = self._clock()
-        try:
-            with self._sessions.begin() as db:
-                row = ItemRow(
-                    session_id=session_id,
-                    seq=_take_seq(db, session_id, now),
-                    item_id=item_id,
-                    role=role,
-                    kind=kind,
-                    text=text,
-                    num_tokens=num_tokens,
-                    status=status,
-                    created_at=now,
-                    updated_at=now,
-                )
-                db.add(row)
-                db.flush()
-                return ItemRecord.from_row(row)
-        except IntegrityError as exc:
-            raise DuplicateId(f"session {session_id!r} already has item {item_id!r}") from exc
+        with self._write() as db:
+            row = ItemRow(
+                session_id=session_id,
+                seq=_take_seq(db, session_id, now),
+                item_id=item_id,
+                role=role,
+                kind=kind,
+                text=text,
+                num_tokens=num_tokens,
+                status=status,
+                created_at=now,
+                updated_at=now,
+            )
+            db.add(row)
+            db.flush()
+            return ItemRecord.from_row(row)
 
     def append_text(self, session_id: str, item_id: str, text: str, num_tokens_added: int) -> None:
         """Append `text` to an in-progress item in one UPDATE; ItemNotOpen once it is finished."""
@@ -188,7 +217,7 @@ class Store:
                 updated_at=self._clock(),
             )
         )
-        with self._sessions.begin() as db:
+        with self._write() as db:
             if db.execute(statement, execution_options=_NO_SYNC).rowcount == 0:
                 _explain_miss(db, session_id, item_id)
 
@@ -214,14 +243,14 @@ class Store:
             .where(ItemRow.session_id == session_id, ItemRow.item_id == item_id, ItemRow.status == OPEN_STATUS)
             .values(**values)
         )
-        with self._sessions.begin() as db:
+        with self._write() as db:
             if db.execute(statement, execution_options=_NO_SYNC).rowcount == 0:
                 _explain_miss(db, session_id, item_id)
 
     def items(self, session_id: str) -> list[ItemRecord]:
         """Every item of the session in seq order."""
         query = select(ItemRow).where(ItemRow.session_id == session_id).order_by(ItemRow.seq)
-        with self._sessions() as db:
+        with self._read() as db:
             records = [ItemRecord.from_row(row) for row in db.scalars(query)]
             if not records and db.get(SessionRow, session_id) is None:
                 raise UnknownSession(session_id)

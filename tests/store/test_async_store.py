@@ -1,12 +1,16 @@
-"""Tests of streamchat.store.async_store: ordering, cancellation, flushing on close."""
+"""Tests of streamchat.store.async_store: ordering, cancellation, flushing on close, failures."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import logging
 from pathlib import Path
 
-from streamchat.store import AsyncStore, Store
+import faults
+import pytest
+
+from streamchat.store import AsyncStore, Store, StoreError
 
 
 def _open(tmp_path: Path) -> tuple[str, AsyncStore]:
@@ -82,3 +86,68 @@ def test_aclose_flushes_queued_writes(tmp_path: Path) -> None:
     asyncio.run(main())
     with Store(url) as s:
         assert s.items("sess_a")[0].text == "x" * 50
+
+
+def test_store_error_reaches_the_caller(tmp_path: Path) -> None:
+    """A StoreError raised on the worker reaches the awaiting caller as is, and the next call works."""
+    faulty = faults.FaultyStore(f"sqlite:///{tmp_path / 'store.db'}")
+    astore = AsyncStore(faulty)
+
+    async def main() -> tuple[str, list[str]]:
+        await _with_open_response(astore)
+        faulty.fail_next("add_item", "locked", at="INSERT")
+        with pytest.raises(StoreError) as info:
+            await astore.add_item("sess_a", "item_2", "user", "message", "hi", "completed", 1)
+        await astore.add_item("sess_a", "item_3", "user", "message", "hi", "completed", 1)
+        ids = [item.item_id for item in await astore.items("sess_a")]
+        await astore.aclose()
+        return info.value.code, ids
+
+    assert asyncio.run(main()) == ("store_unavailable", ["item_1", "item_3"])
+
+
+def test_failed_call_does_not_hold_up_the_queue(tmp_path: Path) -> None:
+    """Three queued appends whose first fails: the other two still apply, in order, and each caller gets its outcome."""
+    faulty = faults.FaultyStore(f"sqlite:///{tmp_path / 'store.db'}")
+    astore = AsyncStore(faulty)
+
+    async def main() -> tuple[list[object], str]:
+        await _with_open_response(astore)
+        gate = threading.Event()
+        blocker = asyncio.ensure_future(astore._call(gate.wait))
+        calls = [asyncio.ensure_future(astore.append_text("sess_a", "item_1", c, 1)) for c in "abc"]
+        faulty.fail_next("append_text", "full")  # armed before any append has run
+        gate.set()
+        await blocker
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        (item,) = await astore.items("sess_a")
+        await astore.aclose()
+        return [o if o is None else o.code for o in outcomes], item.text
+
+    assert asyncio.run(main()) == (["store_unavailable", None, None], "bc")
+
+
+def test_orphaned_failure_is_logged_after_the_loop_closed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A write whose caller was cancelled and whose event loop has closed still logs its StoreError when it fails."""
+    faulty = faults.FaultyStore(f"sqlite:///{tmp_path / 'store.db'}")
+    astore = AsyncStore(faulty)
+    gate = threading.Event()
+
+    async def main() -> None:
+        await _with_open_response(astore)
+        faulty.fail_next("append_text", "ioerr", at="COMMIT")
+        asyncio.ensure_future(astore._call(gate.wait))  # holds the worker until the loop is gone
+        orphan = asyncio.ensure_future(astore.append_text("sess_a", "item_1", "x", 1))
+        await asyncio.sleep(0)
+        orphan.cancel()
+        # Returning ends asyncio.run: it cancels the blocker's caller and closes the loop.
+
+    with caplog.at_level(logging.ERROR, logger="streamchat.store.async_store"):
+        asyncio.run(main())
+        gate.set()
+        astore._executor.shutdown(wait=True)
+    (record,) = caplog.records
+    assert record.getMessage() == "store call failed after its caller was cancelled"
+    assert isinstance(record.exc_info[1], StoreError) and record.exc_info[1].code == "store_unavailable"
+    with Store(f"sqlite:///{tmp_path / 'store.db'}") as s:
+        assert s.items("sess_a")[0].text == ""

@@ -21,6 +21,7 @@ from streamchat.store import (
     ItemNotOpen,
     SessionRecord,
     Store,
+    StoreError,
     UnknownItem,
     UnknownSession,
     hash_token,
@@ -104,15 +105,25 @@ def test_list_sessions_most_recent_first(store: Store) -> None:
     assert [r.id for r in store.list_sessions(limit=1)] == ["sess_a"]
 
 
-def test_duplicate_ids_refused(store: Store) -> None:
-    """A second session or item with a taken id raises DuplicateId and changes nothing."""
+def test_duplicate_session_id_refused(store: Store) -> None:
+    """A second session with a taken id raises DuplicateId (a server bug, not a store failure) and changes nothing."""
+    store.create_session("sess_a", "h", "first", {})
+    with pytest.raises(DuplicateId, match="session 'sess_a' already exists"):
+        store.create_session("sess_a", "h", "second", {})
+    assert store.get_session("sess_a").instructions == "first"
+
+
+def test_duplicate_item_id_refused(store: Store) -> None:
+    """A second item with a taken id in one session raises StoreError item_id_in_use; other sessions may reuse it."""
     store.create_session("sess_a", "h", "", {})
+    store.create_session("sess_b", "h", "", {})
     store.add_item("sess_a", "item_1", "user", "message", "hi", "completed", 1)
-    with pytest.raises(DuplicateId):
-        store.create_session("sess_a", "h", "", {})
-    with pytest.raises(DuplicateId):
+    with pytest.raises(StoreError) as info:
         store.add_item("sess_a", "item_1", "user", "message", "again", "completed", 1)
+    assert info.value.code == "item_id_in_use"
+    assert _summary(store, "sess_a") == [(0, "item_1", "user", "message", "hi", 1, "completed")]
     assert store.get_session("sess_a").num_items == 1
+    assert store.add_item("sess_b", "item_1", "user", "message", "hi", "completed", 1).seq == 0
 
 
 # -- items ----------------------------------------------------------------
