@@ -125,7 +125,12 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8765
     api_key: str | None = None
-    allowed_origins: tuple[str, ...] = ()  # empty: any Origin (or none)
+    # Browsers' Origin header. Empty: no Origin (non-browser clients) or the
+    # daemon's own http://{127.0.0.1,localhost,[::1],host}:port; "*": any (unsafe).
+    allowed_origins: tuple[str, ...] = ()
+    # Host header names (no port) accepted besides loopback ones while bound to
+    # a loopback address: the guard against DNS rebinding.
+    allowed_hosts: tuple[str, ...] = ()
     max_frame_bytes: int = 1 << 20
     max_text_chars: int = 200_000  # one item or append
     max_output_tokens: int = 4096

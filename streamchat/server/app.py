@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import http
+import ipaddress
 import logging
 import os
 import signal
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 REALTIME_PATH = "/v1/realtime"
 INSECURE_KEY_PREFIX = "openai-insecure-api-key."
+ORIGIN_FREE_PATHS = ("/healthz", "/metrics")  # readable by GET without an Origin check
 
 
 class Daemon:
@@ -109,8 +111,8 @@ class Daemon:
         self.stopping.set()
 
     def _origins(self):
-        allowed = self.config.server.allowed_origins
-        return [None, *allowed] if allowed else None
+        """None: websockets checks no Origin; `_refuse_foreign` does, knowing the bound port."""
+        return None
 
     # -- HTTP -------------------------------------------------------------------
 
@@ -118,6 +120,9 @@ class Daemon:
         url = urlsplit(request.path)
         if request.method != "GET":
             return _plain(http.HTTPStatus.METHOD_NOT_ALLOWED, "only GET is served\n", {"Allow": "GET"})
+        refused = self._refuse_foreign(request.headers, url.path, connection.local_address[1])
+        if refused is not None:
+            return refused
         if url.path == "/healthz":
             health = self.health()
             ok = health["status"] != "failed"
@@ -137,6 +142,32 @@ class Daemon:
             return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "overloaded: too many connections; retry later\n",
                           {"Retry-After": "1"})
         return None
+
+    def _refuse_foreign(self, headers: Headers, path: str, port: int) -> Response | None:
+        """403 for a request a web page on another site could have made.
+
+        Host: while bound to loopback, only loopback names (or --allowed-hosts),
+        so a page whose DNS name was rebound to 127.0.0.1 gets nothing.
+        Origin: a websocket handshake is not subject to CORS, so any page could
+        open one; only no Origin (not a browser), the daemon's own pages or
+        --allowed-origins pass. /healthz and /metrics skip the Origin check: a
+        cross-origin page can send the GET but cannot read the answer.
+        """
+        s = self.config.server
+        hosts = headers.get_all("Host")
+        if _is_loopback(s.host) and not (len(hosts) == 1 and _host_allowed(hosts[0], s.allowed_hosts)):
+            log.info("refused a request for Host %s", hosts)
+            return _plain(http.HTTPStatus.FORBIDDEN, f"Host {', '.join(hosts)!r} is not allowed; to allow it, "
+                          "start the daemon with --allowed-hosts NAME\n")
+        origins = headers.get_all("Origin")
+        if not origins or path in ORIGIN_FREE_PATHS:
+            return None
+        allowed = s.allowed_origins or _self_origins(s.host, port)
+        if len(origins) == 1 and (origins[0] in allowed or "*" in allowed):
+            return None
+        log.info("refused a request from Origin %s", origins)
+        return _plain(http.HTTPStatus.FORBIDDEN, f"Origin {', '.join(origins)!r} is not allowed; to allow it, "
+                      f"start the daemon with --allowed-origins {origins[0]}\n")
 
     def _authorized(self, headers: Headers) -> bool:
         import hmac
@@ -243,6 +274,31 @@ def run(config: Config) -> int:
     # the event loop thread. Passive waiting costs little per step.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return asyncio.run(_serve(config))
+
+
+def _is_loopback(name: str) -> bool:
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_allowed(host: str, allowed_hosts: tuple[str, ...]) -> bool:
+    """Whether a Host header (`name[:port]`, `[v6][:port]`) names loopback or an allowed host."""
+    host = host.lower()
+    name = host[1:].partition("]")[0] if host.startswith("[") else host.partition(":")[0]
+    return _is_loopback(name) or name in (h.lower() for h in allowed_hosts)
+
+
+def _self_origins(bind_host: str, port: int) -> set[str]:
+    """The Origin of pages the daemon serves itself, as browsers write it (no :80 for port 80)."""
+    names = {"127.0.0.1", "localhost", "[::1]"}
+    if bind_host:  # "" binds every interface and names none
+        names.add(f"[{bind_host}]" if ":" in bind_host else bind_host.lower())
+    suffix = "" if port == 80 else f":{port}"
+    return {f"http://{name}{suffix}" for name in names}
 
 
 def _select_subprotocol(connection, subprotocols):

@@ -1,6 +1,7 @@
-"""Tests for the handshake's guards: API key, Origin allow-list, connection and session limits."""
+"""Tests for the handshake's guards: API key, Origin and Host checks, connection and session limits."""
 
 import asyncio
+import http.client
 
 import pytest
 from conftest import Client, Daemon
@@ -18,14 +19,90 @@ def guarded(tmp_path_factory):
     d.stop()
 
 
-def status_of(url, **kw):
+@pytest.fixture(scope="module")
+def open_daemon(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("db") / "o.db", "--allowed-origins", "*",
+               "--allowed-hosts", "mybox.lan,Other.LAN").start()
+    yield d
+    d.stop()
+
+
+def handshake(url, **kw):
+    """(status, body) of a websocket handshake: 101 and b"" when it succeeds."""
     async def go():
         try:
             async with connect(url, **kw):
-                return 101
+                return 101, b""
         except InvalidStatus as exc:
-            return exc.response.status_code
+            return exc.response.status_code, exc.response.body
     return asyncio.run(go())
+
+
+def status_of(url, **kw):
+    return handshake(url, **kw)[0]
+
+
+def get(d, path, headers):
+    """(status, body) of a plain GET with these headers; Host is 127.0.0.1:port unless given, None omits it."""
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=30)
+    try:
+        conn.putrequest("GET", path, skip_host=True, skip_accept_encoding=True)
+        for name, value in {"Host": f"127.0.0.1:{d.port}", **headers}.items():
+            if value is not None:
+                conn.putheader(name, value)
+        conn.endheaders()
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def test_default_refuses_other_origins_with_a_hint(daemon):
+    """Without --allowed-origins a foreign Origin gets 403 saying which flag allows it."""
+    status, body = handshake(daemon.url, origin="http://evil.example")
+    assert (status, body) == (403, b"Origin 'http://evil.example' is not allowed; to allow it, "
+                                    b"start the daemon with --allowed-origins http://evil.example\n")
+    assert status_of(daemon.url, origin="null") == 403
+    assert status_of(daemon.url, origin=f"http://127.0.0.1:{daemon.port + 1}") == 403
+    assert status_of(daemon.url, origin=f"https://127.0.0.1:{daemon.port}") == 403
+    assert get(daemon, "/elsewhere", {"Origin": "http://evil.example"})[0] == 403
+
+
+def test_default_accepts_no_origin_and_its_own(daemon):
+    """No Origin (not a browser) and the daemon's own loopback origins on its port pass."""
+    assert status_of(daemon.url) == 101
+    for host in ("127.0.0.1", "localhost", "[::1]"):
+        assert status_of(daemon.url, origin=f"http://{host}:{daemon.port}") == 101
+
+
+def test_health_and_metrics_skip_the_origin_check(daemon):
+    """A foreign Origin may GET /healthz and /metrics (a browser cannot read the answer cross-origin)."""
+    for path in ("/healthz", "/metrics"):
+        assert get(daemon, path, {"Origin": "http://evil.example"})[0] == 200
+
+
+def test_foreign_host_gets_403_on_every_path(daemon):
+    """Bound to loopback, a non-loopback Host (DNS rebinding) gets 403, /healthz included."""
+    status, body = get(daemon, "/v1/realtime", {"Host": f"evil.example:{daemon.port}"})
+    assert (status, body) == (403, b"Host 'evil.example:" + str(daemon.port).encode()
+                              + b"' is not allowed; to allow it, start the daemon with --allowed-hosts NAME\n")
+    for path in ("/healthz", "/metrics", "/"):
+        assert get(daemon, path, {"Host": "evil.example"})[0] == 403
+    assert get(daemon, "/healthz", {"Host": "127.0.0.1.evil.example"})[0] == 403
+    assert get(daemon, "/healthz", {"Host": None})[0] == 403
+    for host in ("localhost", f"localhost:{daemon.port}", "127.0.0.2:1", f"[::1]:{daemon.port}", "LOCALHOST"):
+        assert get(daemon, "/healthz", {"Host": host})[0] == 200
+    assert status_of(f"ws://localhost:{daemon.port}/v1/realtime") == 101
+
+
+def test_star_allows_any_origin_and_allowed_hosts_extend_loopback(open_daemon):
+    """`--allowed-origins '*'` accepts every Origin; --allowed-hosts adds names, any port, any case."""
+    for origin in ("http://evil.example", "null", f"http://127.0.0.1:{open_daemon.port}"):
+        assert status_of(open_daemon.url, origin=origin) == 101
+    assert status_of(open_daemon.url) == 101
+    for host in ("mybox.lan", "MyBox.lan:8765", "other.lan", "localhost"):
+        assert get(open_daemon, "/healthz", {"Host": host})[0] == 200
+    assert get(open_daemon, "/healthz", {"Host": "evil.example"})[0] == 403
 
 
 def test_api_key_required_by_header_or_subprotocol(guarded):
@@ -37,10 +114,14 @@ def test_api_key_required_by_header_or_subprotocol(guarded):
 
 
 def test_disallowed_origin_gets_403(guarded):
-    """An Origin outside the allow-list is refused with 403; the listed one passes."""
+    """An Origin outside the allow-list is refused with 403; the listed one passes, and only it."""
     auth = {"Authorization": "Bearer s3cret"}
     assert status_of(guarded.url, additional_headers=auth, origin="http://evil.example") == 403
     assert status_of(guarded.url, additional_headers=auth, origin="http://good.example") == 101
+    # An explicit list replaces the default: the daemon's own origin is not in it.
+    assert status_of(guarded.url, additional_headers=auth, origin=f"http://127.0.0.1:{guarded.port}") == 403
+    # The Origin check runs before the key check, so a foreign page learns nothing more.
+    assert status_of(guarded.url, origin="http://evil.example") == 403
 
 
 def test_wrong_model_query_is_refused(guarded):
