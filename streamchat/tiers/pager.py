@@ -11,7 +11,7 @@ its KV in: nothing is recomputed. Counts every move and every refused file.
 
 Runs on the engine thread, except `note_failure` and the figures.
 
-    EngineSession.tier
+    EngineSession.residency (only this module and the scheduler change it)
     device --page_out--> host --(host full: its oldest)--> disk   (no disk: dropped)
     device --page_out--> disk   (the host cannot take it, or disk holds it already)
     device <--page_in--- host | disk   (copied back; a bad file: dropped)

@@ -103,5 +103,7 @@ def test_a_forced_first_chunk_past_the_budget_leaves_none_for_the_others():
     b, c = appending(manager, 2048, 1000, "b"), appending(manager, 0, 50, "c")
     out = sched.schedule([a, b, c])
     assert [len(ch.token_ids) for ch in out.batch.prefill] == [1]
+    assert a.response.next_token is None  # placed: the step samples the next one
+    a.response.next_token = 8
     out = sched.schedule([a, b, c])  # round-robin: c first now, 10 tokens at no context use all 100
     assert [len(ch.token_ids) for ch in out.batch.prefill] == [10]

@@ -1,0 +1,200 @@
+"""Tests for the engine boundary: typed commands, supervised steps, limits, turn-only instructions."""
+
+import asyncio
+import time
+
+import pytest
+
+from streamchat.config import CacheConfig, Config, ModelConfig, SchedulerConfig
+from streamchat.engine import api
+from streamchat.engine.api import EngineError
+from streamchat.engine.async_engine import AsyncEngine
+from streamchat.engine.events import ItemPrefilled, ResponseFinished
+from streamchat.llm import LLM
+from streamchat.model.sampling import SamplingParams
+
+
+def make_llm(loaded, **sched):
+    cfg = Config(model=ModelConfig(dtype="float32"), cache=CacheConfig(num_blocks=256, window_tokens=512),
+                 scheduler=SchedulerConfig(queue_timeout_s=3600.0, **sched))
+    return LLM(cfg, loaded=loaded)
+
+
+def run(eng, rid):
+    for _ in range(500):
+        for ev in eng.step():
+            eng.check()
+            if isinstance(ev, ResponseFinished) and ev.response_id == rid:
+                return ev
+    raise AssertionError("the response did not finish")
+
+
+class FailingRunner:
+    """Wraps the model runner; `fail` more executions raise."""
+
+    def __init__(self, runner):
+        self.runner, self.fail = runner, 0
+
+    def execute(self, batch):
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("injected failure")
+        return self.runner.execute(batch)
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+
+def test_a_tiny_temperature_through_the_engine_samples_like_greedy(bundled_fp32):
+    """temperature 1e-300 (admitted by the protocol) finishes and equals the greedy reply."""
+    eng = make_llm(bundled_fp32).engine
+    replies = []
+    for i, t in enumerate((0.0, 1e-300)):
+        eng.handle(api.OpenSession(f"s{i}"))
+        eng.add_item(f"s{i}", "user", "Name a colour.")
+        eng.handle(api.StartResponse(f"s{i}", f"r{i}", SamplingParams(temperature=t, seed=1), 12))
+        replies.append(run(eng, f"r{i}"))
+    assert replies[1].status in ("completed", "incomplete")
+    assert replies[1].token_ids == replies[0].token_ids
+
+
+def test_a_failing_step_fails_its_responses_and_the_engine_serves_on(bundled_fp32):
+    """The step raises: its response fails `internal`, the session is rebuilt from its tokens, and
+    the next reply equals that of an engine where the same response was cancelled unstarted."""
+    def session(fail: bool):
+        eng = make_llm(bundled_fp32).engine
+        eng.runner = FailingRunner(eng.runner)
+        eng.open_session("s")
+        eng.add_item("s", "user", "What is the capital of France?")
+        eng.start_response("s", "ok1", SamplingParams(), max_tokens=8)
+        run(eng, "ok1")
+        eng.start_response("s", "bad", SamplingParams(), max_tokens=8)
+        if fail:
+            eng.runner.fail = 1
+            events = eng.step()
+            failed = [(e.response_id, e.status, e.reason) for e in events if isinstance(e, ResponseFinished)]
+            assert failed == [("bad", "failed", "internal")]
+            assert eng.failed_steps == 1 and eng.metrics.failed_steps == 1
+            eng.check()
+            s = eng.sessions["s"]
+            assert s.seq.num_tokens == 0 and s.pending  # its KV is rebuilt from its tokens
+        else:
+            eng.cancel_response("s")
+        eng.start_response("s", "ok2", SamplingParams(), max_tokens=8)
+        again = run(eng, "ok2")
+        assert eng.failed_steps == 0
+        return again.token_ids, eng.sessions["s"].seq.token_ids
+
+    assert session(fail=True) == session(fail=False)
+
+
+def test_the_async_engine_gives_up_after_failed_steps_in_a_row(bundled_fp32):
+    """max_failed_steps failures in a row: fatal, streams fail, new commands get engine_unavailable."""
+    eng = make_llm(bundled_fp32).engine
+    eng.runner = FailingRunner(eng.runner)
+    eng.runner.fail = 100
+    reasons = []
+
+    async def go():
+        ae = AsyncEngine(eng, max_failed_steps=3)
+        ae.on_fatal = reasons.append
+        ae.start()
+        await ae.submit(api.OpenSession("s"))
+        prepared = await ae.submit(api.PrepareItem("s", "user", "Hello"))
+        await ae.submit(api.Queue(prepared))
+        stream = ae.open_stream("r")
+        await ae.submit(api.StartResponse("s", "r", SamplingParams(), 8))
+        outs = []
+        while not any(isinstance(o, ResponseFinished) and o.reason == "engine_unavailable" for o in outs):
+            outs.append(await asyncio.wait_for(stream.get(), 60))
+        with pytest.raises(EngineError) as err:
+            await ae.submit(api.GetStats("s"))
+        await ae.stop()
+        return outs, err.value.code, ae.fatal
+
+    outs, code, fatal = asyncio.run(go())
+    assert [o.reason for o in outs if isinstance(o, ResponseFinished)][0] == "internal"
+    assert code == "engine_unavailable" and fatal == "3 engine steps failed in a row" and reasons == [fatal]
+
+
+def test_a_command_not_taken_in_time_never_runs(bundled_fp32):
+    """A deadline passes while the engine thread is busy: engine_unavailable, and the command is dropped."""
+    eng = make_llm(bundled_fp32).engine
+
+    class Busy:
+        pass
+
+    eng._handlers[Busy] = lambda cmd: time.sleep(1.5)
+
+    async def go():
+        ae = AsyncEngine(eng)
+        ae.start()
+        busy = asyncio.ensure_future(ae.submit(Busy(), timeout_s=10))
+        await asyncio.sleep(0.2)
+        with pytest.raises(EngineError) as err:
+            await ae.submit(api.OpenSession("late"), timeout_s=0.3)
+        await busy
+        await ae.submit(api.OpenSession("other"))  # the engine serves on
+        await ae.stop()
+        return err.value.code
+
+    assert asyncio.run(go()) == "engine_unavailable"
+    assert "late" not in eng.sessions and "other" in eng.sessions
+
+
+def test_pending_limits_refuse_before_anything_changes(bundled_fp32):
+    """Past the per-session or the daemon-wide queue limit: a typed error and an unchanged session."""
+    eng = make_llm(bundled_fp32, max_pending_tokens_per_session=40, max_pending_tokens=45).engine
+    for sid in ("a", "b"):
+        eng.open_session(sid)
+    eng.append_text("a", "one two three four five six seven eight nine ten")
+    queued = eng.sessions["a"].queued_tokens
+    with pytest.raises(EngineError) as err:
+        eng.handle(api.PrepareAppend("a", " eleven" * 40))
+    assert err.value.code == "pending_limit_exceeded" and eng.sessions["a"].queued_tokens == queued
+    eng.append_text("b", "one two three four five six seven eight nine ten")
+    with pytest.raises(EngineError) as err:
+        eng.handle(api.PrepareItem("b", "user", "a b c d e f g h i j k l m n o p q r s t"))
+    assert err.value.code == "overloaded"
+
+
+def test_new_instructions_keep_the_tickets_of_queued_items(bundled_fp32):
+    """session.update while an item still prefills: its ticket is still reported once it is in."""
+    eng = make_llm(bundled_fp32).engine
+    eng.open_session("s")
+    eng.add_item("s", "user", "Tell me about the sea. " * 20, ticket="t1")
+    eng.set_instructions("s", "You are terse.")
+    reported = []
+    for _ in range(50):
+        reported += [e.ticket for e in eng.step() if isinstance(e, ItemPrefilled)]
+        if not eng.has_work():
+            break
+    assert reported == ["t1"]
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_turn_instructions_leave_the_context_when_the_response_ends(bundled_fp32, cancel):
+    """response.instructions are this turn only: afterwards the context equals a rebuild from the
+    transcript (which never stores them), token for token."""
+    eng = make_llm(bundled_fp32).engine
+    eng.open_session("s", "You are helpful.")
+    eng.add_item("s", "user", "Say hello.")
+    eng.start_response("s", "r", SamplingParams(), max_tokens=6, instructions="Answer in French.")
+    if cancel:
+        eng.step()
+        fin = next(e for e in eng.cancel_response("s") if isinstance(e, ResponseFinished))
+    else:
+        fin = run(eng, "r")
+    while eng.has_work():
+        eng.step()
+        eng.check()
+    live = list(eng.sessions["s"].seq.token_ids)
+    messages = [("user", "Say hello.", True), ("assistant", fin.text, True)]
+    eng.restore_session("t", "You are helpful.", messages)
+    while eng.has_work():
+        eng.step()
+    rebuilt = list(eng.sessions["t"].seq.token_ids)
+    system = eng.chat.message("system", "Answer in French.")
+    assert all(live[i:i + len(system)] != system for i in range(len(live)))
+    if eng.chat.encode(fin.text) == list(fin.token_ids):  # the reply's tokens re-encode the same
+        assert live == rebuilt

@@ -1,0 +1,156 @@
+"""Tests of the daemon's boundary in process: store faults, dangerous numbers, and the engine giving up."""
+
+import asyncio
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from conftest import Client
+
+import streamchat.store as store_module
+from streamchat import settings
+from streamchat.server.app import Daemon
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from faults import FaultyStore  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def user_item(text, item_id=None):
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    if item_id:
+        item["id"] = item_id
+    return {"type": "conversation.item.create", "item": item}
+
+
+async def start(tmp_path, monkeypatch, *extra):
+    monkeypatch.setattr(store_module, "Store", FaultyStore)
+    parser = __import__("argparse").ArgumentParser()
+    settings.add_flags(parser)
+    args = parser.parse_args(["--port", "0", "--database-url", f"sqlite:///{tmp_path / 'b.db'}",
+                              "--num-blocks", "200", "--window-tokens", "256", "--num-threads", "2",
+                              "--data-dir", str(tmp_path / "kv"), *extra])
+    d = Daemon(settings.load(args, environ={}))
+    await d.start()
+    return d, d.store._store, f"ws://127.0.0.1:{d.port}/v1/realtime"
+
+
+def test_store_failures_answer_typed_errors_and_change_nothing(tmp_path, monkeypatch):
+    """Locked store, duplicate item id, a reply that cannot be stored: typed errors, and the session
+    goes on with exactly what was acknowledged."""
+    async def go():
+        d, store, url = await start(tmp_path, monkeypatch)
+        try:
+            c = await Client.open(url)
+            sid = c.created["session"]["id"]
+            await c.send(user_item("My name is Ada.", "item_a"))
+            await c.until("conversation.item.added")
+            store.fail_next("add_item", "locked")
+            await c.send(user_item("This one is lost."))
+            err = (await c.until("error"))[-1]["error"]
+            assert (err["code"], err["type"]) == ("store_unavailable", "server_error")
+            await c.send(user_item("Again.", "item_a"))
+            assert (await c.until("error"))[-1]["error"]["code"] == "item_id_in_use"
+            store.fail_next("append_text", "full")
+            await c.send({"type": "streamchat.input_text.append", "text": "first part"})
+            await c.until("streamchat.input_text.appended")
+            await c.send({"type": "streamchat.input_text.append", "text": " second part"})
+            assert (await c.until("error"))[-1]["error"]["code"] == "store_unavailable"
+            await c.send({"type": "streamchat.session.stats"})
+            stats = (await c.until("streamchat.session.stats"))[-1]
+            store.fail_next("finish_item", "ioerr")  # the implicit close of the append
+            await c.send({"type": "response.create", "response": {"max_output_tokens": 4}})
+            assert (await c.until("error"))[-1]["error"]["code"] == "store_unavailable"
+            await c.send({"type": "response.create", "response": {"max_output_tokens": 4}})
+            events = await c.until("response.done")
+            assert events[-1]["response"]["status"] in ("completed", "incomplete")
+            items = await d.store.items(sid)
+            assert [(i.item_id, i.text) for i in items[:2]] == [("item_a", "My name is Ada."),
+                                                               (items[1].item_id, "first part")]
+            assert "This one is lost." not in [i.text for i in items]
+            assert "second part" not in items[1].text
+            assert stats["items"] == 2  # the refused events never reached the engine
+            await c.close()
+        finally:
+            d.stopping.set()
+            await d.shutdown()
+    asyncio.run(go())
+
+
+def test_a_reply_that_cannot_be_stored_still_ends_with_response_done(tmp_path, monkeypatch):
+    """Storing the finished reply fails: response.done arrives, failed with store_unavailable."""
+    async def go():
+        d, store, url = await start(tmp_path, monkeypatch)
+        try:
+            c = await Client.open(url)
+            await c.send(user_item("Hi."))
+            await c.until("conversation.item.added")
+            await c.send({"type": "response.create", "response": {"max_output_tokens": 4}})
+            await c.until("response.created")
+            store.fail_next("finish_item", "locked")
+            events = await c.until("response.done")
+            response = events[-1]["response"]
+            assert response["status"] == "failed"
+            assert response["status_details"]["error"]["code"] == "store_unavailable"
+            await c.send(user_item("Still here?"))  # the session goes on
+            await c.until("conversation.item.added")
+            await c.close()
+        finally:
+            d.stopping.set()
+            await d.shutdown()
+    asyncio.run(go())
+
+
+def test_a_tiny_temperature_and_a_huge_top_k_are_served(tmp_path, monkeypatch):
+    """temperature 1e-300 and top_k 2^63-1 (both admitted) complete; the engine serves on."""
+    async def go():
+        d, store, url = await start(tmp_path, monkeypatch)
+        try:
+            c = await Client.open(url)
+            await c.send(user_item("Count to three."))
+            for response in ({"temperature": 1e-300}, {"temperature": 2.0, "top_k": 2**63 - 1, "top_p": 1e-300}):
+                await c.send({"type": "response.create", "response": {**response, "max_output_tokens": 6}})
+                done = (await c.until("response.done"))[-1]["response"]
+                assert done["status"] in ("completed", "incomplete"), done
+            assert d.health()["status"] == "ok" and d.aengine.fatal is None
+            await c.close()
+        finally:
+            d.stopping.set()
+            await d.shutdown()
+    asyncio.run(go())
+
+
+def test_an_engine_that_cannot_recover_says_503_and_exits_non_zero(tmp_path, monkeypatch):
+    """Every step fails: responses fail, /healthz answers 503 with the reason, exit code 1."""
+    async def go():
+        d, store, url = await start(tmp_path, monkeypatch, "--max-failed-steps", "2")
+        eng = d.aengine._engine
+
+        def broken(batch):
+            raise RuntimeError("device lost")
+        eng.runner.execute = broken
+        try:
+            c = await Client.open(url)
+            await c.send(user_item("Hello."))
+            await c.send({"type": "response.create", "response": {"max_output_tokens": 4}})
+            while True:  # the engine may give up before or after it takes the response
+                e = await c.recv(60)
+                if e["type"] == "response.done":
+                    assert e["response"]["status"] == "failed"
+                    break
+                if e["type"] == "error" and e["error"]["code"] == "engine_unavailable":
+                    break
+            await asyncio.wait_for(d.stopping.wait(), 30)
+            reader, writer = await asyncio.open_connection("127.0.0.1", d.port)
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            head = (await reader.read(65536)).decode()
+            writer.close()
+            assert head.startswith("HTTP/1.1 503")
+            body = orjson.loads(head.split("\r\n\r\n", 1)[1])
+            assert body["status"] == "failed" and "failed in a row" in body["reason"]
+        finally:
+            await d.shutdown()
+        return d.exit_code
+    assert asyncio.run(go()) == 1
