@@ -154,3 +154,36 @@ def test_an_engine_that_cannot_recover_says_503_and_exits_non_zero(tmp_path, mon
             await d.shutdown()
         return d.exit_code
     assert asyncio.run(go()) == 1
+
+
+def test_sessions_nobody_holds_leave_memory_and_resume_from_disk(tmp_path, monkeypatch):
+    """An idle session with no connection leaves memory (KV to disk); a resume brings it back.
+    An append item closed by the next item gets its conversation.item.done."""
+    async def go():
+        d, store, url = await start(tmp_path, monkeypatch, "--session-idle-release-s", "0.5")
+        try:
+            c = await Client.open(url)
+            sid, token = c.created["session"]["id"], c.created["session"]["resume_token"]
+            await c.send({"type": "streamchat.input_text.append", "text": "The locker code is 4817."})
+            appended = (await c.until("streamchat.input_text.appended"))[-1]
+            await c.send(user_item("Remember it."))
+            seen = await c.until("conversation.item.added")
+            while not any(e["type"] == "conversation.item.done" and e["item"]["id"] == appended["item_id"]
+                          for e in seen):
+                seen.append(await c.recv(60))
+            await c.close()
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                if sid not in d.hub.sessions and d.aengine.snapshot.sessions == 0:
+                    break
+            assert sid not in d.hub.sessions and d.health()["sessions_in_engine"] == 0
+            c = await Client.open(url)
+            await c.send({"type": "streamchat.session.resume", "session_id": sid, "resume_token": token})
+            resumed = (await c.until("streamchat.session.resumed"))[-1]
+            assert resumed["restored_from"] == "disk"
+            await c.send({"type": "response.create", "response": {"max_output_tokens": 4}})
+            assert (await c.until("response.done"))[-1]["response"]["status"] in ("completed", "incomplete")
+            await c.close()
+        finally:
+            await d.shutdown()
+    asyncio.run(go())
