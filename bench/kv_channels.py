@@ -19,7 +19,7 @@ import torch
 from streamchat.cache.block_pool import BlockPool
 from streamchat.cache.manager import KVCacheManager
 from streamchat.config import CacheConfig, ModelConfig
-from streamchat.engine.batch import SeqChunk, StepBatch
+from streamchat.model.batch import SeqChunk, StepBatch
 from streamchat.model.runner import ModelRunner, load_model
 
 TEXT = Path(__file__).resolve().parents[1] / "streamchat" / "data" / "botchan.txt"

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from streamchat.cache.block_pool import BlockPool
 from streamchat.cache.manager import KVCacheManager, SeqCache
 from streamchat.config import CacheConfig
-from streamchat.engine.batch import SeqChunk, StepBatch
+from streamchat.model.batch import SeqChunk, StepBatch
 from streamchat.model.runner import LoadedModel, ModelRunner
 
 POLICIES = ("full", "window", "sink", "recompute")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from streamchat.cache.manager import KVCacheManager
 from streamchat.config import SchedulerConfig
-from streamchat.engine.batch import SeqChunk, StepBatch
+from streamchat.model.batch import SeqChunk, StepBatch
 from streamchat.engine.session import EngineSession, Pending, Phase, Residency
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from streamchat.config import CacheConfig, ConfigError, ModelConfig
-from streamchat.engine.batch import StepBatch
+from streamchat.model.batch import StepBatch
 from streamchat.kernels import quant
 from streamchat.model.attention import AttentionMetadata, DecodeGroup, LayerKV, PrefillGroup, make_backend
 from streamchat.model.llama import LlamaModel, load_state

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from streamchat.cache.block_pool import BlockPool  # noqa: E402
 from streamchat.cache.manager import KVCacheManager  # noqa: E402
 from streamchat.config import CacheConfig  # noqa: E402
-from streamchat.engine.batch import SeqChunk, StepBatch  # noqa: E402
+from streamchat.model.batch import SeqChunk, StepBatch  # noqa: E402
 from streamchat.kernels.backend import TritonBackend  # noqa: E402
 from streamchat.model.attention import TorchBackend, make_backend  # noqa: E402
 from streamchat.model.llama import LlamaModel  # noqa: E402

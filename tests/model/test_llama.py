@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from streamchat.cache.block_pool import BlockPool
 from streamchat.cache.manager import KVCacheManager
 from streamchat.config import CacheConfig
-from streamchat.engine.batch import SeqChunk, StepBatch
+from streamchat.model.batch import SeqChunk, StepBatch
 from streamchat.model.attention import TorchBackend
 from streamchat.model.llama import LlamaModel
 from streamchat.model.runner import LoadedModel, ModelRunner
