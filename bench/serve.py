@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-memory-gib", type=float, default=1.0, help="KV pool size (default 1)")
     p.add_argument("--kv-dtype", default="auto", help="KV pool storage: auto (the model's dtype), int8, fp8, int4")
     p.add_argument("--max-tokens-per-step", type=int, default=None, help="default: SchedulerConfig's")
-    p.add_argument("--prefill-tokens-while-decoding", type=int, default=None, help="default: SchedulerConfig's")
+    p.add_argument("--target-step-ms", type=float, default=None, help="default: SchedulerConfig's")
     common.add_model_flags(p)
     args = p.parse_args(argv)
     if args.tokens <= 0 or args.repeats <= 0 or args.rounds <= 0 or args.mixed_tokens <= 1:
@@ -322,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model_cfg = common.model_config(args)
     sched = SchedulerConfig(**{k: v for k, v in (("max_tokens_per_step", args.max_tokens_per_step),
-                                                 ("prefill_tokens_while_decoding",
-                                                  args.prefill_tokens_while_decoding)) if v})
+                                                 ("target_step_ms",
+                                                  args.target_step_ms)) if v})
     cache = CacheConfig(kv_memory_gib=args.kv_memory_gib, kv_dtype=args.kv_dtype)
     llm = LLM(Config(model=model_cfg, cache=cache, scheduler=sched))
     args.num_threads_engine = model_cfg.num_threads
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{common.describe(llm.loaded)}; tokens={args.tokens} repeats={args.repeats} "
           f"max_tokens_per_step={llm.config.scheduler.max_tokens_per_step} "
-          f"prefill_tokens_while_decoding={llm.config.scheduler.prefill_tokens_while_decoding}")
+          f"target_step_ms={llm.config.scheduler.target_step_ms:g}")
     print(f"{'':40}{'tok/s':>10}{'ttft p50':>10}{'ttft p99':>10}{'itl p50':>10}{'itl p99':>10}   (ms)")
     for r in rows:
         print(f"{'ours, ' + str(r['sessions']) + ' sessions, ' + r['lengths']:40}{common.fmt(r['tok_s'])}"

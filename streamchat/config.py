@@ -88,13 +88,13 @@ class SchedulerConfig:
     """How the engine builds each step's batch."""
 
     max_tokens_per_step: int = 256  # decode tokens + prefill chunk tokens
-    # While any session streams, prefill gets at most this many tokens a step,
-    # and its chunks at most this much attention work: a chunk of n tokens over
-    # c cached ones costs n * (c + n) query-key pairs. A long context's chunk
-    # thus gets few tokens (16384 / 2064 -> 7 at the default window), a new
-    # short prompt many, and a big append slows a stream by a bounded factor.
-    prefill_tokens_while_decoding: int = 64
-    prefill_keys_while_decoding: int = 16384
+    # While any session streams, a step aims at `target_step_ms` (the streams' inter-token
+    # target): decode goes first, prefill gets the rest of the step, shared fairly among the
+    # sessions with queued tokens, by a cost model the scheduler learns from the steps it runs.
+    # When decode alone passes the target, prefill still gets `min_prefill_share` of it, so a
+    # crowd of streams never starves the sessions still prefilling.
+    target_step_ms: float = 200.0
+    min_prefill_share: float = 0.25
     max_running: int = 64  # sessions generating at once
     queue_timeout_s: float = 60.0  # no progress for this long before the first token: `overloaded`
     # work a client may queue before it is in the cache: past it, `pending_limit_exceeded`
@@ -107,12 +107,12 @@ class SchedulerConfig:
     def validate(self) -> None:
         _positive("max_tokens_per_step", self.max_tokens_per_step)
         _positive("max_running", self.max_running)
-        _positive("prefill_tokens_while_decoding", self.prefill_tokens_while_decoding)
-        _positive("prefill_keys_while_decoding", self.prefill_keys_while_decoding)
+        if isinstance(self.min_prefill_share, bool) or not 0 <= self.min_prefill_share <= 10:
+            raise ConfigError(f"min_prefill_share must be in [0, 10], got {self.min_prefill_share!r}")
         _positive("max_pending_tokens_per_session", self.max_pending_tokens_per_session)
         _positive("max_pending_tokens", self.max_pending_tokens)
         _positive("max_failed_steps", self.max_failed_steps)
-        for name in ("queue_timeout_s", "engine_call_timeout_s"):
+        for name in ("queue_timeout_s", "engine_call_timeout_s", "target_step_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")

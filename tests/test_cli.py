@@ -26,7 +26,7 @@ def run(argv, capsys):
     (["generate", "hi", "--max-tokens", "0"], "--max-tokens must be positive"),
     (["generate", "hi", "--temperature", "5"], "temperature must be in [0, 2]"),
     (["generate", "hi", "--num-blocks", "8"], "KV pool has only 7"),
-    (["serve", "--prefill-keys-while-decoding", "0"], "prefill_keys_while_decoding must be a positive integer, got 0"),
+    (["serve", "--min-prefill-share", "-1"], "min_prefill_share must be in [0, 10], got -1.0"),
     (["serve", "--port", "70000"], "port must be 0..65535"),
     (["serve", "--config", "/no/file.toml"], "cannot read config file /no/file.toml"),
 ])

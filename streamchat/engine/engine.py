@@ -322,7 +322,9 @@ class Engine:
                                 [o.response.generator for o in samplers])
                 for s, token in zip(samplers, tokens):
                     events += self._on_token(s, token)
-            self.metrics.on_step(sched.batch.num_tokens, len(sched.batch.decode), time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self.scheduler.costs.observe(sched.batch.num_tokens, sched.pairs, elapsed)
+            self.metrics.on_step(sched.batch.num_tokens, len(sched.batch.decode), elapsed)
         except Exception as exc:  # noqa: BLE001 - the engine must outlive any one step
             return events + self._recover(owners, exc)
         self.failed_steps = 0

@@ -9,13 +9,13 @@ token ids and block ids, never tensors.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
 from streamchat.cache.manager import KVCacheManager
 from streamchat.config import SchedulerConfig
 from streamchat.model.batch import SeqChunk, StepBatch
+from streamchat.engine.costs import StepCosts
 from streamchat.engine.session import EngineSession, Pending, Phase, Residency
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ class Scheduled:
     batch: StepBatch
     owners: list[EngineSession] = field(default_factory=list)  # one per chunk, batch order
     tickets: list[tuple[EngineSession, object]] = field(default_factory=list)  # done after the step
+    pairs: int = 0  # query-key pairs of the step's attention, for the cost model
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.pager = pager  # the tier connector: idle sessions move down instead of being dropped
         self._rr = 0  # round-robin start for prefill
+        self.costs = StepCosts()  # learned from every step the engine runs
         self.clock = time.monotonic
 
     def schedule(self, sessions: list[EngineSession]) -> Scheduled:
@@ -55,11 +57,11 @@ class Scheduler:
                 self._add(out, s, [s.response.next_token], decode=True)
                 s.response.next_token = None  # in the cache now; the step samples the next one
                 budget -= 1
-        keys = None  # attention work prefill may add: bounded only while sessions stream
+        seconds = None  # prefill's time in this step: bounded only while sessions stream
         if out.batch.decode:
-            budget = min(budget, self.cfg.prefill_tokens_while_decoding)
-            keys = self.cfg.prefill_keys_while_decoding
-        budget = self._prefill(out, sessions, budget, keys)
+            decode_s = self.costs.estimate(out.batch.num_tokens, out.pairs)
+            seconds = max(self.cfg.target_step_ms / 1000 - decode_s, self.cfg.min_prefill_share * decode_s)
+        self._prefill(out, sessions, budget, seconds)
         self.stats.steps += 1
         self.stats.tokens_scheduled += out.batch.num_tokens
         return out
@@ -74,36 +76,37 @@ class Scheduler:
                 s.response.phase = Phase.PREFILL
                 running += 1
 
-    def _prefill(self, out: Scheduled, sessions: list[EngineSession], budget: int, keys: int | None) -> int:
+    def _prefill(self, out: Scheduled, sessions: list[EngineSession], budget: int,
+                 seconds: float | None) -> None:
+        """Chunks for the sessions with queued tokens, round-robin, under the token budget and,
+        while sessions stream, the step's prefill time shared fairly among them.
+
+        Each session gets an equal share of the time left (what one leaves, the next may use),
+        but never less than one block's worth: a chunk costs a pass over its whole context, so
+        tiny chunks waste it. The round-robin start moves past the sessions served, so over
+        a few steps every one gets its turn.
+        """
         ready = [s for s in sessions if s.pending and self._may_prefill(s)]
         if not ready:
-            return budget
+            return
         start = self._rr % len(ready)
-        self._rr += 1
-        first = True
-        for s in ready[start:] + ready[:start]:
-            if budget <= 0:
+        served = 0
+        order = ready[start:] + ready[:start]
+        for i, s in enumerate(order):
+            if budget <= 0 or (seconds is not None and seconds <= 0 and served):
                 break
             limit = budget
-            if keys is not None:
-                limit = min(limit, self._tokens_for_keys(s.seq.num_tokens, keys, first))
-                if limit <= 0:
-                    continue
+            if seconds is not None:
+                share = seconds / (len(order) - i)
+                limit = min(limit, max(self.manager.block_size, self.costs.tokens_within(share, s.seq.num_tokens)))
+            before = s.seq.num_tokens
             taken = self._prefill_one(out, s, limit, sessions)
-            if keys is not None and taken:  # the context after the chunk, the chunk included
-                keys = max(0, keys - taken * s.seq.num_tokens)
-                first = False
+            if taken:
+                served += 1
+                if seconds is not None:
+                    seconds -= self.costs.estimate(taken, taken * (before + taken)) - self.costs.fixed
             budget -= taken
-        return budget
-
-    @staticmethod
-    def _tokens_for_keys(context: int, keys: int, first: bool) -> int:
-        """The largest n with n * (context + n) <= keys; at least 1 for the step's first chunk.
-
-        n(c + n) <= k  <=>  (2n + c)^2 <= c^2 + 4k, so n = (isqrt(c^2 + 4k) - c) // 2.
-        """
-        n = (math.isqrt(context * context + 4 * keys) - context) // 2 if keys > 0 else 0
-        return max(n, 1) if first else n
+        self._rr += max(served, 1)
 
     @staticmethod
     def _may_prefill(s: EngineSession) -> bool:
@@ -164,6 +167,7 @@ class Scheduler:
         self.manager.commit(s.seq)
         chunk = SeqChunk(tokens, placed.positions, placed.slots, list(s.seq.block_ids), want_logits)
         (out.batch.decode if decode else out.batch.prefill).append(chunk)
+        out.pairs += len(tokens) * s.seq.num_tokens  # query-key pairs its attention computes (about)
         out.owners.append(s)
         s.total_tokens += len(tokens)
         s.progressed_at = self.clock()

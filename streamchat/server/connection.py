@@ -159,17 +159,18 @@ class Connection:
         prepared = await self.submit(api.PrepareAppend(s.id, e.text))
         await self.hub.ensure_stored(s)
         num = len(prepared.token_ids)
+        opens = s.open_item_id is None
         item_id = s.open_item_id or ev.new_id("item")
-        if s.open_item_id is None:
+        if opens:
             await self.hub.store.add_item(s.id, item_id, "user", "append", e.text, "in_progress", num)
+            s.open_item_id, s.open_item_chars = item_id, 0  # stored: a rebuild must see it open
         else:
             await self.hub.store.append_text(s.id, item_id, e.text, num)
+        s.open_item_chars += len(e.text)
         context = await self.hub.queue(s, prepared)
-        if s.open_item_id is None:
-            s.open_item_id, s.open_item_chars = item_id, 0
+        if opens:
             previous, s.last_item_id = s.last_item_id, item_id
             self.send(ev.item_added(ev.item_object(item_id, "user", None, status="in_progress"), previous))
-        s.open_item_chars += len(e.text)
         self.send(ev.input_text_appended(item_id, num, context))
 
     async def on_InputTextCommit(self, e: p.InputTextCommit) -> None:

@@ -88,11 +88,18 @@ def test_a_failing_step_fails_its_responses_and_the_engine_serves_on(bundled_fp3
     assert session(fail=True) == session(fail=False)
 
 
+class BreaksAtFirstSample(FailingRunner):
+    """Runs until a step wants logits (a response is sampled); from then on every step fails."""
+
+    def execute(self, batch):
+        self.fail = self.fail or 100 * any(c.want_logits for c in batch.chunks())
+        return super().execute(batch)
+
+
 def test_the_async_engine_gives_up_after_failed_steps_in_a_row(bundled_fp32):
     """max_failed_steps failures in a row: fatal, streams fail, new commands get engine_unavailable."""
     eng = make_llm(bundled_fp32).engine
-    eng.runner = FailingRunner(eng.runner)
-    eng.runner.fail = 100
+    eng.runner = BreaksAtFirstSample(eng.runner)
     reasons = []
 
     async def go():

@@ -6,24 +6,37 @@ from hypothesis import strategies as st
 from streamchat.cache.block_pool import BlockPool
 from streamchat.cache.manager import KVCacheManager
 from streamchat.config import SchedulerConfig
+from streamchat.engine.costs import StepCosts
 from streamchat.engine.scheduler import Scheduler
 from streamchat.engine.session import EngineSession, Pending, Phase, Response
 
 
-@given(st.integers(0, 100_000), st.integers(-1_000, 1_000_000), st.booleans())
-def test_tokens_for_keys_is_the_largest_fitting_chunk(context, keys, first):
-    n = Scheduler._tokens_for_keys(context, keys, first)
-    if keys <= 0:  # spent by an earlier chunk of the step
-        assert n == (1 if first else 0)
-    elif n * (context + n) > keys:
-        assert first and n == 1  # the step's first chunk always moves
-    else:
-        assert (n + 1) * (context + n + 1) > keys
+@given(st.floats(0, 10), st.integers(0, 100_000))
+def test_tokens_within_is_the_largest_chunk_that_fits(seconds, context):
+    """tokens_within(s, c) is the largest n whose marginal cost n*t + n*(c+n)*p fits s."""
+    costs = StepCosts()
+    n = costs.tokens_within(seconds, context)
+
+    def cost(k):
+        return costs.per_token * k + costs.per_pair * k * (context + k)
+    assert cost(n) <= seconds * (1 + 1e-9)
+    assert cost(n + 1) > seconds * (1 - 1e-9)
 
 
-def streaming_cfg(keys: int = 16384) -> SchedulerConfig:
-    return SchedulerConfig(max_tokens_per_step=256, prefill_tokens_while_decoding=64,
-                           prefill_keys_while_decoding=keys)
+def test_the_cost_model_learns_a_machine_from_its_steps():
+    """Steps timed by a known linear law: the fit recovers it closely, whatever the priors said."""
+    costs = StepCosts()
+    law = (0.004, 0.0011, 2e-6)
+    shapes = [(16, 32_000), (1, 2_000), (256, 66_000), (64, 140_000), (17, 300_000), (200, 5_000)] * 10
+    for tokens, pairs in shapes:
+        costs.observe(tokens, pairs, law[0] + law[1] * tokens + law[2] * pairs)
+    for tokens, pairs in ((32, 64_000), (128, 10_000)):
+        truth = law[0] + law[1] * tokens + law[2] * pairs
+        assert abs(costs.estimate(tokens, pairs) - truth) < 0.05 * truth
+
+
+def streaming_cfg(target_ms: float = 200.0, share: float = 0.25) -> SchedulerConfig:
+    return SchedulerConfig(max_tokens_per_step=256, target_step_ms=target_ms, min_prefill_share=share)
 
 
 def make(cfg: SchedulerConfig, window=2048, blocks=1024):
@@ -46,42 +59,62 @@ def appending(manager, cached: int, pending: int, sid="b") -> EngineSession:
     return s
 
 
-def test_long_context_chunk_is_bounded_by_attention_work_while_streaming():
+def fixed_costs(sched, fixed=0.01, per_token=0.002, per_pair=1e-6):
+    sched.costs.fixed, sched.costs.per_token, sched.costs.per_pair = fixed, per_token, per_pair
+
+
+def test_prefill_fills_the_step_to_its_time_target_while_streaming():
+    """One stream (~0.05 s by the model) and a long append: the chunk takes the rest of 200 ms."""
     sched, manager = make(streaming_cfg())
+    fixed_costs(sched)
     a, b = streaming(manager), appending(manager, cached=2048, pending=10_000)
     out = sched.schedule([a, b])
     [decode], [chunk] = out.batch.decode, out.batch.prefill
     n = len(chunk.token_ids)
+    decode_s = sched.costs.estimate(1, 40)
     assert decode.token_ids == [7]
-    assert n == Scheduler._tokens_for_keys(2048, 16384, True) == 7
-    assert n * chunk.seq_len <= 16384
+    assert n == sched.costs.tokens_within(0.2 - decode_s, 2048) == 45
+    assert sched.costs.estimate(1 + n, 40 + n * chunk.seq_len) <= 0.2 + 1e-9
 
 
-def test_short_prompt_gets_the_token_cap_while_streaming():
-    sched, manager = make(streaming_cfg())
-    a, c = streaming(manager), appending(manager, cached=0, pending=300, sid="c")
-    out = sched.schedule([a, c])
-    assert len(out.batch.prefill[0].token_ids) == 64  # 64 * 64 <= 16384: the token cap binds
+def test_prefill_keeps_a_share_when_decode_alone_passes_the_target():
+    """Decode estimated past the target: prefill still gets min_prefill_share of the decode time."""
+    sched, manager = make(streaming_cfg(target_ms=10.0, share=0.5))
+    fixed_costs(sched, per_token=0.0002)  # decode ~10.2 ms: past the target
+    a, b = streaming(manager), appending(manager, cached=0, pending=1000)
+    out = sched.schedule([a, b])
+    decode_s = sched.costs.estimate(1, 40)
+    assert len(out.batch.prefill[0].token_ids) == sched.costs.tokens_within(0.5 * decode_s, 0) > 0
 
 
 def test_no_stream_means_the_whole_step_budget():
-    cfg = SchedulerConfig(max_tokens_per_step=256, prefill_keys_while_decoding=16384)
-    sched, manager = make(cfg)
+    sched, manager = make(SchedulerConfig(max_tokens_per_step=256))
     b = appending(manager, cached=2048, pending=10_000)
     out = sched.schedule([b])
     assert len(out.batch.prefill[0].token_ids) == 256
 
 
-def test_attention_budget_is_shared_across_sessions_in_a_step():
-    sched, manager = make(streaming_cfg())
+def test_prefill_time_is_shared_fairly_and_the_turn_moves_on():
+    """Four long appends beside a stream share the step; the next step starts after the last served."""
+    sched, manager = make(streaming_cfg(target_ms=400.0))
+    fixed_costs(sched)
     a = streaming(manager)
-    b, c = appending(manager, 2048, 1000, "b"), appending(manager, 2048, 1000, "c")
-    first = sched.schedule([a, b, c])
-    work = sum(len(ch.token_ids) * ch.seq_len for ch in first.batch.prefill)
-    assert len(first.batch.prefill) == 1 and work <= 16384  # the second long chunk does not fit
-    second = sched.schedule([a, b, c])  # round-robin: the other one goes next
-    assert len(second.batch.prefill) == 1
-    assert {first.owners[-1].session_id, second.owners[-1].session_id} == {"b", "c"}
+    others = [appending(manager, 512, 1000, sid) for sid in "bcde"]
+    first = sched.schedule([a, *others])
+    sizes = [len(ch.token_ids) for ch in first.batch.prefill]
+    assert len(sizes) == 4 and max(sizes) - min(sizes) <= 2  # equal shares of the same context
+    a.response.next_token = 8
+    few = sched.schedule([a, *others])  # contexts grew: still every one served, in turn
+    assert {o.session_id for o in few.owners[1:]} == set("bcde")
+
+
+def test_a_chunk_never_shrinks_below_a_block():
+    """A share worth less than one block still moves a whole block: tiny chunks waste a pass."""
+    sched, manager = make(streaming_cfg(target_ms=1.0, share=0.0))
+    fixed_costs(sched)
+    a, b = streaming(manager), appending(manager, cached=2048, pending=100)
+    out = sched.schedule([a, b])
+    assert [len(ch.token_ids) for ch in out.batch.prefill] == [16]
 
 
 def test_a_session_in_this_step_is_never_the_victim_of_a_later_chunk():
@@ -94,16 +127,3 @@ def test_a_session_in_this_step_is_never_the_victim_of_a_later_chunk():
     assert out.owners[0] is x and not x.busy
     assert all(a.isdisjoint(b) for i, a in enumerate(slots) for b in slots[i + 1:])
     manager.check([x.seq, y.seq])
-
-
-def test_a_forced_first_chunk_past_the_budget_leaves_none_for_the_others():
-    """The first chunk always moves, even past the budget; then nobody else prefills this step."""
-    sched, manager = make(streaming_cfg(keys=100))
-    a = streaming(manager)
-    b, c = appending(manager, 2048, 1000, "b"), appending(manager, 0, 50, "c")
-    out = sched.schedule([a, b, c])
-    assert [len(ch.token_ids) for ch in out.batch.prefill] == [1]
-    assert a.response.next_token is None  # placed: the step samples the next one
-    a.response.next_token = 8
-    out = sched.schedule([a, b, c])  # round-robin: c first now, 10 tokens at no context use all 100
-    assert [len(ch.token_ids) for ch in out.batch.prefill] == [10]
