@@ -78,31 +78,49 @@ def summarize(name: str, prefill_s: float, firsts: list[Reply], seconds: list[Re
 # -- streamchat ------------------------------------------------------------------------------
 
 
-class StreamchatDaemon:
-    def __init__(self, folder: Path, args) -> None:
-        self.log = folder / "streamchat.log"
-        self.cmd = [sys.executable, "-m", "streamchat", "serve", "--host", HOST, "--port", "0",
-                    "--database-url", f"sqlite:///{folder / 'bench.db'}", "--num-threads", str(args.threads),
-                    "--max-output-tokens", str(max(args.tokens, 16)), *args.daemon_arg]
+class Server:
+    """A server subprocess logging to a file: started on enter (polling `ready`), stopped on exit."""
+
+    name = "server"
+
+    def __init__(self, cmd: list[str], log: Path) -> None:
+        self.cmd, self.log = cmd, log
+
+    def ready(self) -> bool:
+        raise NotImplementedError
 
     def __enter__(self):
         self.out = open(self.log, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.out, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            m = re.search(r"listening on ws://[\d.]+:(\d+)/", self.log.read_text(errors="replace"))
-            if m:
-                self.url = f"ws://{HOST}:{m.group(1)}/v1/realtime"
+            if self.ready():
                 return self
             if self.proc.poll() is not None:
-                raise RuntimeError("streamchat exited:\n" + self.log.read_text(errors="replace")[-3000:])
-            time.sleep(0.2)
-        raise RuntimeError("streamchat did not start")
+                raise RuntimeError(f"{self.name} exited:\n" + self.log.read_text(errors="replace")[-3000:])
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.name} did not start")
 
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=60)
         self.out.close()
+
+
+class StreamchatDaemon(Server):
+    name = "streamchat"
+
+    def __init__(self, folder: Path, args) -> None:
+        super().__init__([sys.executable, "-m", "streamchat", "serve", "--host", HOST, "--port", "0",
+                          "--database-url", f"sqlite:///{folder / 'bench.db'}", "--num-threads", str(args.threads),
+                          "--max-output-tokens", str(max(args.tokens, 16)), *args.daemon_arg],
+                         folder / "streamchat.log")
+
+    def ready(self) -> bool:
+        m = re.search(r"listening on ws://[\d.]+:(\d+)/", self.log.read_text(errors="replace"))
+        if m:
+            self.url = f"ws://{HOST}:{m.group(1)}/v1/realtime"
+        return m is not None
 
 
 async def ws_respond(ws, reply: Reply, max_tokens: int) -> None:
@@ -166,34 +184,21 @@ def bundled_gguf() -> Path:
     return next(folder.rglob("*.gguf"))
 
 
-class LlamaServer:
+class LlamaServer(Server):
+    name = "llama-server"
+
     def __init__(self, binary: str, folder: Path, args) -> None:
-        self.log = folder / "llama-server.log"
         self.port = args.llama_port
         ctx = args.sessions * (args.history + args.tokens + 256)
-        self.cmd = [binary, "-m", str(bundled_gguf()), "--host", HOST, "--port", str(self.port),
-                    "-np", str(args.sessions), "-c", str(ctx), "-t", str(args.threads), "-tb", str(args.threads)]
+        super().__init__([binary, "-m", str(bundled_gguf()), "--host", HOST, "--port", str(self.port),
+                          "-np", str(args.sessions), "-c", str(ctx), "-t", str(args.threads),
+                          "-tb", str(args.threads)], folder / "llama-server.log")
 
-    def __enter__(self):
-        self.out = open(self.log, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                status, _ = asyncio.run(http_get(self.port, "/health"))
-                if status == 200:
-                    return self
-            except OSError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError("llama-server exited:\n" + self.log.read_text(errors="replace")[-3000:])
-            time.sleep(0.5)
-        raise RuntimeError("llama-server did not start")
-
-    def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-        self.out.close()
+    def ready(self) -> bool:
+        try:
+            return asyncio.run(http_get(self.port, "/health"))[0] == 200
+        except OSError:
+            return False
 
 
 async def http_get(port: int, path: str) -> tuple[int, bytes]:

@@ -72,7 +72,7 @@ class Daemon:
         self.limits = Limits(max_text_chars=s.max_text_chars, max_output_tokens=s.max_output_tokens)
         self.server = await serve(
             self.handle, s.host, s.port, process_request=self.process_request,
-            max_size=s.max_frame_bytes, origins=self._origins(), select_subprotocol=_select_subprotocol,
+            max_size=s.max_frame_bytes, select_subprotocol=_select_subprotocol,
             ping_interval=20, ping_timeout=20, close_timeout=5)
         self.port = self.server.sockets[0].getsockname()[1]
         snap = self.aengine.snapshot
@@ -109,10 +109,6 @@ class Daemon:
         log.critical("stopping the daemon: %s; a supervisor should restart it, and clients resume", reason)
         self.exit_code = 1
         self.stopping.set()
-
-    def _origins(self):
-        """None: websockets checks no Origin; `_refuse_foreign` does, knowing the bound port."""
-        return None
 
     # -- HTTP -------------------------------------------------------------------
 

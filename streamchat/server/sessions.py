@@ -46,6 +46,11 @@ def transcript_mark(instructions: str, items) -> str:
     return h.hexdigest()
 
 
+def transcript_messages(items, open_item_id: str | None) -> tuple:
+    """The engine's view of a stored transcript: (role, text, closed) per item, empty replies left out."""
+    return tuple((i.role, i.text, i.item_id != open_item_id) for i in items if i.text or i.kind != "response")
+
+
 @dataclass
 class LiveSession:
     id: str
@@ -148,8 +153,7 @@ class Hub:
         try:
             await self.submit(api.CloseSession(s.id))
             items = await self.store.items(s.id) if s.stored else []
-            messages = tuple((i.role, i.text, i.item_id != s.open_item_id)
-                             for i in items if i.text or i.kind != "response")
+            messages = transcript_messages(items, s.open_item_id)
             await self.submit(api.RestoreTranscript(s.id, s.instructions, messages))
         except Exception:
             log.exception("session %s: rebuild failed; it is rebuilt on its next resume", s.id)
@@ -197,8 +201,7 @@ class Hub:
         open_items = [i for i in items if i.status == "in_progress" and i.kind == "append"]
         s.open_item_id = open_items[-1].item_id if open_items else None
         await self._close_interrupted(items)
-        messages = tuple((i.role, i.text, i.item_id != s.open_item_id)
-                         for i in items if i.text or i.kind != "response")
+        messages = transcript_messages(items, s.open_item_id)
         restored_from = "disk" if await self._restore_saved(s, messages, mark) else "transcript"
         if restored_from == "transcript":
             await self.submit(api.RestoreTranscript(s.id, s.instructions, messages))

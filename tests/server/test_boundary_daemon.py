@@ -1,6 +1,8 @@
 """Tests of the daemon's boundary in process: store faults, dangerous numbers, and the engine giving up."""
 
+import argparse
 import asyncio
+import contextlib
 import sys
 from pathlib import Path
 
@@ -25,24 +27,28 @@ def user_item(text, item_id=None):
     return {"type": "conversation.item.create", "item": item}
 
 
-async def start(tmp_path, monkeypatch, *extra):
+@contextlib.asynccontextmanager
+async def daemon(tmp_path, monkeypatch, *extra):
+    """An in-process daemon whose store fails on demand: (daemon, its FaultyStore, websocket url)."""
     monkeypatch.setattr(store_module, "Store", FaultyStore)
-    parser = __import__("argparse").ArgumentParser()
+    parser = argparse.ArgumentParser()
     settings.add_flags(parser)
     args = parser.parse_args(["--port", "0", "--database-url", f"sqlite:///{tmp_path / 'b.db'}",
                               "--num-blocks", "200", "--window-tokens", "256", "--num-threads", "2",
                               "--data-dir", str(tmp_path / "kv"), *extra])
     d = Daemon(settings.load(args, environ={}))
     await d.start()
-    return d, d.store._store, f"ws://127.0.0.1:{d.port}/v1/realtime"
+    try:
+        yield d, d.store._store, f"ws://127.0.0.1:{d.port}/v1/realtime"
+    finally:
+        await d.shutdown()
 
 
 def test_store_failures_answer_typed_errors_and_change_nothing(tmp_path, monkeypatch):
     """Locked store, duplicate item id, a reply that cannot be stored: typed errors, and the session
     goes on with exactly what was acknowledged."""
     async def go():
-        d, store, url = await start(tmp_path, monkeypatch)
-        try:
+        async with daemon(tmp_path, monkeypatch) as (d, store, url):
             c = await Client.open(url)
             sid = c.created["session"]["id"]
             await c.send(user_item("My name is Ada.", "item_a"))
@@ -73,17 +79,13 @@ def test_store_failures_answer_typed_errors_and_change_nothing(tmp_path, monkeyp
             assert "second part" not in items[1].text
             assert stats["items"] == 2  # the refused events never reached the engine
             await c.close()
-        finally:
-            d.stopping.set()
-            await d.shutdown()
     asyncio.run(go())
 
 
 def test_a_reply_that_cannot_be_stored_still_ends_with_response_done(tmp_path, monkeypatch):
     """Storing the finished reply fails: response.done arrives, failed with store_unavailable."""
     async def go():
-        d, store, url = await start(tmp_path, monkeypatch)
-        try:
+        async with daemon(tmp_path, monkeypatch) as (d, store, url):
             c = await Client.open(url)
             await c.send(user_item("Hi."))
             await c.until("conversation.item.added")
@@ -97,17 +99,13 @@ def test_a_reply_that_cannot_be_stored_still_ends_with_response_done(tmp_path, m
             await c.send(user_item("Still here?"))  # the session goes on
             await c.until("conversation.item.added")
             await c.close()
-        finally:
-            d.stopping.set()
-            await d.shutdown()
     asyncio.run(go())
 
 
 def test_a_tiny_temperature_and_a_huge_top_k_are_served(tmp_path, monkeypatch):
     """temperature 1e-300 and top_k 2^63-1 (both admitted) complete; the engine serves on."""
     async def go():
-        d, store, url = await start(tmp_path, monkeypatch)
-        try:
+        async with daemon(tmp_path, monkeypatch) as (d, store, url):
             c = await Client.open(url)
             await c.send(user_item("Count to three."))
             for response in ({"temperature": 1e-300}, {"temperature": 2.0, "top_k": 2**63 - 1, "top_p": 1e-300}):
@@ -116,22 +114,17 @@ def test_a_tiny_temperature_and_a_huge_top_k_are_served(tmp_path, monkeypatch):
                 assert done["status"] in ("completed", "incomplete"), done
             assert d.health()["status"] == "ok" and d.aengine.fatal is None
             await c.close()
-        finally:
-            d.stopping.set()
-            await d.shutdown()
     asyncio.run(go())
 
 
 def test_an_engine_that_cannot_recover_says_503_and_exits_non_zero(tmp_path, monkeypatch):
     """Every step fails: responses fail, /healthz answers 503 with the reason, exit code 1."""
     async def go():
-        d, store, url = await start(tmp_path, monkeypatch, "--max-failed-steps", "2")
-        eng = d.aengine._engine
-
         def broken(batch):
             raise RuntimeError("device lost")
-        eng.runner.execute = broken
-        try:
+
+        async with daemon(tmp_path, monkeypatch, "--max-failed-steps", "2") as (d, store, url):
+            d.aengine._engine.runner.execute = broken
             c = await Client.open(url)
             await c.send(user_item("Hello."))
             await c.send({"type": "response.create", "response": {"max_output_tokens": 4}})
@@ -150,8 +143,6 @@ def test_an_engine_that_cannot_recover_says_503_and_exits_non_zero(tmp_path, mon
             assert head.startswith("HTTP/1.1 503")
             body = orjson.loads(head.split("\r\n\r\n", 1)[1])
             assert body["status"] == "failed" and "failed in a row" in body["reason"]
-        finally:
-            await d.shutdown()
         return d.exit_code
     assert asyncio.run(go()) == 1
 
@@ -160,8 +151,7 @@ def test_sessions_nobody_holds_leave_memory_and_resume_from_disk(tmp_path, monke
     """An idle session with no connection leaves memory (KV to disk); a resume brings it back.
     An append item closed by the next item gets its conversation.item.done."""
     async def go():
-        d, store, url = await start(tmp_path, monkeypatch, "--session-idle-release-s", "0.5")
-        try:
+        async with daemon(tmp_path, monkeypatch, "--session-idle-release-s", "0.5") as (d, store, url):
             c = await Client.open(url)
             sid, token = c.created["session"]["id"], c.created["session"]["resume_token"]
             await c.send({"type": "streamchat.input_text.append", "text": "The locker code is 4817."})
@@ -184,6 +174,4 @@ def test_sessions_nobody_holds_leave_memory_and_resume_from_disk(tmp_path, monke
             await c.send({"type": "response.create", "response": {"max_output_tokens": 4}})
             assert (await c.until("response.done"))[-1]["response"]["status"] in ("completed", "incomplete")
             await c.close()
-        finally:
-            await d.shutdown()
     asyncio.run(go())
