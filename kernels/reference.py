@@ -27,14 +27,15 @@ A block's bytes depend on its tokens alone: evicting the blocks before it
 (which shifts its table index) moves and rewrites nothing, and a shared block
 is read the same by every table that holds it. Rotation work per step:
 
-    decode   the query once per block, by (p - block start): (B, max_blocks, H, D)
+    decode   the query once per block, by (p - block start): (B, KVH, max_blocks, G, D)
+             queries, each scored against its block's keys as stored
     prefill  the chunk's queries by p, and each gathered block of keys by its block
              start: O(keys), shared by every query of the chunk. Per-block queries
              cost O(chunk x blocks) and measured slower from 4 queries a chunk on
-             (a one-token chunk is what decode does)
+             (1.6x at 4, 11x at 64, 14x at 512; a one-token chunk is what decode does)
 
-The `*_plan` functions hold everything a step's layers share (flattened
-tables, rotation rows, masks, the host-side split of the chunks); the
+The `*_plan` functions hold everything a step's layers share (gather
+indices, rotation rows, masks, the host-side split of the chunks); the
 backend builds them once per step. The oracles with the kernels' signatures
 build a plan and run it.
 
@@ -49,9 +50,6 @@ import torch
 import torch.nn.functional as F
 
 from streamchat.kernels import quant
-
-# Up to this many KV heads, per-block products run as one product of all heads (see block_scores).
-CROSS_KV_HEADS = 4
 
 
 def rope_rows(cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
@@ -138,25 +136,36 @@ def gather_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids:
 class DecodePlan(NamedTuple):
     """What every layer's decode shares in a step."""
 
-    block_ids: torch.Tensor  # (B * max_blocks,) int64: the tables, row after row
-    q_cos: torch.Tensor  # (B, max_blocks, H, D) rows of (query position - block start)
-    q_sin: torch.Tensor  # (B, max_blocks, H, D // 2)
+    rows: torch.Tensor  # (B * KVH * max_blocks * block_size,) int64: pool rows, head-major (see decode_plan)
+    q_cos: torch.Tensor  # (B, KVH, max_blocks, G, D) rows of (query position - block start)
+    q_sin: torch.Tensor  # (B, KVH, max_blocks, G, D // 2)
     mask: torch.Tensor  # (B, 1, 1, max_blocks * block_size) bool: the keys each query sees
 
 
 def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_heads: int,
-                cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> DecodePlan:
+                num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> DecodePlan:
     """The query of sequence b sits at seq_lens[b] - 1; block i starts at i * block_size.
 
-    Blocks past a sequence's end (table padding) get row 0: their keys are masked.
+    `rows` addresses the pool viewed as (num_blocks * block_size * KVH) rows
+    of head_dim, in the order (sequence, KV head, table index, offset):
+    gathered in that order, every KV head's keys of every block are one
+    contiguous (block_size, D) matrix, and its values one (L, D) matrix per
+    sequence, so the products run with no copy and no wasted head pairs.
+    Blocks past a sequence's end (table padding) get rope row 0: their keys
+    are masked.
     """
     num_seqs, max_blocks = block_tables.shape
     dev = block_tables.device
+    offsets = torch.arange(block_size, device=dev)
+    heads = torch.arange(num_kv_heads, device=dev)
+    slots = block_tables.long()[:, None, :, None] * block_size + offsets  # (B, 1, NB, BS)
+    rows = (slots * num_kv_heads + heads[None, :, None, None]).reshape(-1)  # (B, KVH, NB, BS) flattened
     starts = torch.arange(max_blocks, device=dev) * block_size
-    delta = (seq_lens[:, None].long() - 1 - starts).clamp_(min=0)  # (B, max_blocks)
-    c, s = head_rows(*rope_rows(cos, sin, delta, dtype), num_heads)
+    delta = (seq_lens[:, None].long() - 1 - starts).clamp_(min=0)  # (B, NB)
+    c, s = head_rows(*rope_rows(cos, sin, delta, dtype), num_heads // num_kv_heads)  # (B, NB, G, .)
+    c, s = (t[:, None].expand(-1, num_kv_heads, -1, -1, -1).contiguous() for t in (c, s))
     mask = torch.arange(max_blocks * block_size, device=dev) < seq_lens[:, None]  # (B, L)
-    return DecodePlan(block_tables.reshape(-1).long(), c, s, mask[:, None, None])
+    return DecodePlan(rows, c, s, mask[:, None, None])
 
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -165,63 +174,41 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One unrotated query per sequence: q (B, H, D) -> out (B, H, D)."""
-    plan = decode_plan(block_tables, seq_lens, key_cache.shape[1], q.shape[1], cos, sin, q.dtype)
+    plan = decode_plan(block_tables, seq_lens, key_cache.shape[1], q.shape[1], key_cache.shape[2], cos, sin,
+                       q.dtype)
     return decode(q, key_cache, value_cache, plan, scale, k_scale, v_scale)
 
 
 def decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,
            scale: float, k_scale: torch.Tensor | None = None,
            v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """`paged_decode_attention` on a plan: the query rotated per block, scored against stored keys."""
+    """`paged_decode_attention` on a plan: the query rotated per block, scored against the stored keys.
+
+    Grouped-query heads share their KV head: query head h = kv_head * G + g.
+    """
     num_seqs, num_heads, head_dim = q.shape
-    _, max_blocks, _, _ = plan.q_cos.shape
-    k, v = gather_blocks(key_cache, value_cache, plan.block_ids, k_scale, v_scale, q.dtype)  # (B*NB, BS, KVH, D)
-    qr = rotate(q[:, None], plan.q_cos, plan.q_sin)  # (B, NB, H, D): the query as each block sees it
-    s = block_scores(qr.view(num_seqs * max_blocks, 1, num_heads, head_dim), k)  # (B*NB, KVH, G, 1, BS)
-    num_kv_heads, group, block_size = s.shape[1], s.shape[2], s.shape[4]
-    s = s.unflatten(0, (num_seqs, max_blocks)).permute(0, 2, 3, 1, 4, 5)  # (B, KVH, G, NB, 1, BS)
-    s = s.reshape(num_seqs, num_kv_heads, group, max_blocks * block_size)  # s is ours: in place from here
+    _, num_kv_heads, max_blocks, group, _ = plan.q_cos.shape
+    block_size = key_cache.shape[1]
+    length = max_blocks * block_size
+    k = gather_rows(key_cache, k_scale, plan.rows, q.dtype)  # (B*KVH*NB*BS, D)
+    v = gather_rows(value_cache, v_scale, plan.rows, q.dtype)
+    qg = q.view(num_seqs, num_kv_heads, 1, group, head_dim)
+    qr = rotate(qg, plan.q_cos, plan.q_sin)  # (B, KVH, NB, G, D): the query as each block sees it
+    s = torch.bmm(qr.view(-1, group, head_dim), k.view(-1, block_size, head_dim).transpose(1, 2))  # (., G, BS)
+    s = s.view(num_seqs, num_kv_heads, max_blocks, group, block_size).transpose(2, 3)
+    s = s.reshape(num_seqs, num_kv_heads, group, length)  # a copy: ours, in place from here
     probs = s.mul_(scale).masked_fill_(~plan.mask, float("-inf")).softmax(-1, dtype=torch.float32)
-    v = v.view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-    return grouped_values(probs.to(q.dtype), v).reshape(num_seqs, num_heads, head_dim)
+    out = torch.bmm(probs.to(q.dtype).view(-1, group, length), v.view(-1, length, head_dim))  # (B*KVH, G, D)
+    return out.view(num_seqs, num_heads, head_dim)
 
 
-def block_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Per-block products: q (N, n, H, D) . k (N, BS, KVH, D) -> (N, KVH, G, n, BS), G = H / KVH.
-
-    Query head h reads KV head h // G. Measured on CPU: up to CROSS_KV_HEADS
-    KV heads, one contiguous batched product of every query head with every
-    KV head, keeping the diagonal, is fastest; beyond, one product per KV
-    head on strided views of the gathered keys (copying keys head-major first
-    is slower than either).
-    """
-    num, n, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    if num_kv_heads <= CROSS_KV_HEADS:
-        s = torch.bmm(q.reshape(num, n * num_heads, head_dim),
-                      k.view(num, block_size * num_kv_heads, head_dim).transpose(1, 2))  # (N, n*H, BS*KVH)
-        s = s.view(num, n, num_kv_heads, group, block_size, num_kv_heads).diagonal(dim1=2, dim2=5)
-        return s.permute(0, 4, 2, 1, 3)  # (N, n, G, BS, KVH) -> (N, KVH, G, n, BS)
-    qh = q.view(num, n, num_kv_heads, group, head_dim).transpose(1, 2)  # (N, KVH, n, G, D)
-    s = torch.stack([torch.bmm(qh[:, h].reshape(num, n * group, head_dim), k[:, :, h].transpose(1, 2))
-                     for h in range(num_kv_heads)], dim=1)  # (N, KVH, n*G, BS)
-    return s.view(num, num_kv_heads, n, group, block_size).transpose(2, 3)
-
-
-def grouped_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """probs (B, KVH, G, L) @ v (B, L, KVH, D) -> (B, KVH, G, D): group g of KV head h reads h's values.
-
-    The same two products as `block_scores`, chosen the same way.
-    """
-    num_seqs, num_kv_heads, group, length = probs.shape
-    head_dim = v.shape[-1]
-    if num_kv_heads <= CROSS_KV_HEADS:
-        o = torch.bmm(probs.view(num_seqs, num_kv_heads * group, length),
-                      v.view(num_seqs, length, num_kv_heads * head_dim))  # (B, H, KVH*D)
-        o = o.view(num_seqs, num_kv_heads, group, num_kv_heads, head_dim).diagonal(dim1=1, dim2=3)
-        return o.permute(0, 3, 1, 2)  # (B, G, D, KVH) -> (B, KVH, G, D)
-    return torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in range(num_kv_heads)], dim=1)
+def gather_rows(cache: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Rows of a pool viewed as (num_blocks * block_size * KVH, width), dequantized to `dtype`: (R, D)."""
+    x = cache.view(-1, cache.shape[-1]).index_select(0, rows)
+    if scale is None:
+        return x
+    return quant.dequantize(x, scale.view(-1, *scale.shape[3:]).index_select(0, rows), dtype)
 
 
 # ---- prefill ----------------------------------------------------------------------------------

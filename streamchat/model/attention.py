@@ -90,7 +90,8 @@ class TorchBackend:
         decode = prefill = None
         if meta.decode is not None:
             g = meta.decode
-            decode = reference.decode_plan(g.block_tables, g.seq_lens, bs, heads.num_heads, cos, sin, dtype)
+            decode = reference.decode_plan(g.block_tables, g.seq_lens, bs, heads.num_heads, heads.num_kv_heads,
+                                           cos, sin, dtype)
         if meta.prefill is not None:
             g = meta.prefill
             prefill = reference.prefill_plan(g.block_tables, g.query_lens, g.key_lens,
