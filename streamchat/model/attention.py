@@ -5,7 +5,8 @@ never a global), the choice, made once at start-up, between the pure-torch
 reference (CPU, and the oracle) and the Triton kernels (CUDA), and the
 per-step plan: everything the same for all layers (tables, lengths, rope
 rows, masks, the split of the chunks, the decode kernels' split buffers) is
-made once by the backend's `plan` and handed to every layer.
+made once by the backend's `plan` and handed to every layer; buffers that
+outlive a step (the torch backend's gather workspace) belong to the backend.
 """
 
 from __future__ import annotations
@@ -77,9 +78,16 @@ class StepPlan(NamedTuple):
 
 
 class TorchBackend:
-    """The pure-torch reference backend."""
+    """The pure-torch reference backend.
+
+    Owns one scratch workspace for the blocks attention gathers, reused by
+    every layer and step (see `reference.Workspace`): the only state it keeps.
+    """
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self.workspace = reference.Workspace()
 
     def plan(self, meta: AttentionMetadata, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              dtype: torch.dtype, heads: Heads) -> tuple:
@@ -91,12 +99,12 @@ class TorchBackend:
         if meta.decode is not None:
             g = meta.decode
             decode = reference.decode_plan(g.block_tables, g.seq_lens, bs, heads.num_heads, heads.num_kv_heads,
-                                           cos, sin, dtype)
+                                           cos, sin, dtype, self.workspace)
         if meta.prefill is not None:
             g = meta.prefill
             prefill = reference.prefill_plan(g.block_tables, g.query_lens, g.key_lens,
                                              positions[meta.num_decode:], bs, heads.num_heads,
-                                             heads.num_kv_heads, cos, sin, dtype)
+                                             heads.num_kv_heads, cos, sin, dtype, self.workspace)
         return (key_cos[:, None], key_sin[:, None]), decode, prefill
 
     def write(self, kv: LayerKV, key: torch.Tensor, value: torch.Tensor, plan: StepPlan) -> None:
