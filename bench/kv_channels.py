@@ -1,7 +1,8 @@
-"""Per-token vs per-channel scales for quantized keys, on the model's real pre-rotation keys.
+"""Per-token vs per-channel scales for quantized keys, on the model's real keys as the pool stores them.
 
 Runs 512 tokens of the shipped text through the bundled model (fp32), takes
-every layer's keys as stored in the pool (before rotation), and prints the
+every layer's keys as stored in the pool (rotated by their offset in their
+block, 0..block_size-1: what a quantized pool quantizes), and prints the
 relative error ||q(x) - x|| / ||x|| of symmetric int8 and int4 quantization
 with one scale per token per head (what streamchat stores) and with one scale
 per channel over the 512 tokens (what KIVI/KVQuant suggest for keys).

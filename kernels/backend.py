@@ -2,17 +2,36 @@
 
 Owns only the mapping from the runner's per-step metadata (DecodeGroup,
 PrefillGroup) to kernel launches. Knows nothing about scheduling; holds no
-state. k_scale/v_scale (None: float pool) pass through to the kernels for
-int8/fp8 pools.
+state between steps: its step plan is the rope tables the kernels index
+(they rotate in-kernel: keys on write by block offset, queries per block
+in decode, queries and key tiles in prefill) and the decode split plan with
+its partial-result buffers, made once and used by every layer.
+k_scale/v_scale (None: float pool) pass through to the kernels for int8/fp8
+pools.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from streamchat.kernels.decode import paged_decode
+from streamchat.kernels.decode import DecodeSplits, paged_decode, plan_decode
 from streamchat.kernels.prefill import paged_prefill
 from streamchat.kernels.write_kv import write_kv
+
+
+class TritonDecode(NamedTuple):
+    group: object  # DecodeGroup
+    splits: DecodeSplits
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class TritonPrefill(NamedTuple):
+    group: object  # PrefillGroup
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 class TritonBackend:
@@ -20,15 +39,28 @@ class TritonBackend:
 
     name = "triton"
 
-    def write(self, key_cache, value_cache, key, value, slot_mapping, k_scale=None, v_scale=None) -> None:
-        write_kv(key_cache, value_cache, key, value, slot_mapping, k_scale, v_scale)
+    def plan(self, meta, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
+             heads) -> tuple:
+        """(write, decode, prefill) parts of a step plan (see `attention.plan_step`)."""
+        decode = prefill = None
+        if meta.decode is not None:
+            g = meta.decode
+            splits = plan_decode(g.seq_lens.shape[0], heads.num_heads, heads.num_kv_heads, heads.head_dim,
+                                 g.block_tables.shape[1], meta.block_size, g.seq_lens.device)
+            decode = TritonDecode(g, splits, cos, sin)
+        if meta.prefill is not None:
+            prefill = TritonPrefill(meta.prefill, cos, sin)
+        return (cos, sin), decode, prefill
 
-    def decode(self, q, key_cache, value_cache, group, cos, sin, scale,
-               k_scale=None, v_scale=None) -> torch.Tensor:
-        return paged_decode(q, key_cache, value_cache, group.block_tables, group.seq_lens, cos, sin, scale,
-                            k_scale, v_scale)
+    def write(self, kv, key: torch.Tensor, value: torch.Tensor, plan) -> None:
+        write_kv(kv.key, kv.value, key, value, plan.meta.slot_mapping, *plan.write, kv.k_scale, kv.v_scale)
 
-    def prefill(self, q, key_cache, value_cache, group, cos, sin, scale,
-                k_scale=None, v_scale=None) -> torch.Tensor:
-        return paged_prefill(q, key_cache, value_cache, group.block_tables, group.seq_lens,
-                             group.cu_seqlens_q, cos, sin, scale, k_scale, v_scale)
+    def decode(self, q: torch.Tensor, kv, plan, scale: float) -> torch.Tensor:
+        g, splits, cos, sin = plan.decode
+        return paged_decode(q, kv.key, kv.value, g.block_tables, g.seq_lens, cos, sin, scale,
+                            kv.k_scale, kv.v_scale, splits=splits)
+
+    def prefill(self, q: torch.Tensor, kv, plan, scale: float) -> torch.Tensor:
+        g, cos, sin = plan.prefill
+        return paged_prefill(q, kv.key, kv.value, g.block_tables, g.seq_lens, g.cu_seqlens_q, cos, sin,
+                             scale, kv.k_scale, kv.v_scale)

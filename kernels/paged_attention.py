@@ -1,8 +1,8 @@
 """Reading the paged KV pool through a block table: the pieces the attention kernels share.
 
 Owns how a kernel turns (table, token) into an address, dequantizes a stored
-key or value, rotates a key by its cache position, and folds one tile of keys
-into an online softmax; and the launcher-side checks of the pool's layout.
+key or value, rotates rows by rope rows, and folds one tile of scores into
+an online softmax; and the launcher-side checks of the pool's layout.
 It knows nothing about sequences, steps or the model: `decode.py` and
 `prefill.py` own the grids.
 
@@ -10,20 +10,22 @@ Layouts (the same as `reference.py`):
 
     key_cache, value_cache : (num_blocks, block_size, num_kv_heads, head_dim)
                              float32/bf16/fp16, or int8/fp8 with scales;
-                             keys stored BEFORE rotary embedding; the two
-                             tensors share shape, strides and dtype, last dim
-                             contiguous (the block stride may be anything)
+                             each key stored rotated by its OFFSET in its block
+                             (slot % block_size); the two tensors share shape,
+                             strides and dtype, last dim contiguous (the block
+                             stride may be anything)
     k_scale, v_scale       : None, or (num_blocks, block_size, num_kv_heads)
                              float32: a stored x means x.to(float32) * scale
     block table row        : int32 block ids; token t of the sequence sits at
                              table index t // block_size, offset t % block_size,
-                             and t is also its cache position (rotary index)
+                             and t is also its cache position
     cos, sin               : (max_pos, head_dim) float32, rotate-half layout: the
                              halves repeat, so the kernels read the first half
 
-    table index:   0      1      2      3          cache position of token t
-                 [ 17 ] [  4 ] [ 93 ] [ 41 ]       = t, whatever the block ids:
-                   sink    window after eviction   eviction moves no data
+    table index:    0      1      2      3         a query at cache position p
+                  [ 17 ] [  4 ] [ 93 ] [ 41 ]      scores block i's R(o) k with
+    block start:    0      16     32     48        R(p - 16 i) q: eviction moves
+                                                   no data, rotates nothing stored
 
 Addresses: `block_id * stride_block` is formed in int64 (a pool of 2**31
 elements is 4 GiB of bf16, well inside one GPU). Everything else a kernel
@@ -64,18 +66,14 @@ def load_slots(cache_ptr, scale_ptr, rows, scale_rows, cols, valid, col_mask, HA
 
 
 @triton.jit
-def load_kv_tile(key_ptr, value_ptr, k_scale_ptr, v_scale_ptr, cos_ptr, sin_ptr, table_row_ptr,
-                 tokens, valid, head, stride_block, stride_offset, stride_head, stride_scale_block,
-                 stride_scale_offset, stride_scale_head, stride_cos, HALF: tl.constexpr,
-                 HALF_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """KV head `head` at `tokens` (N,) of one sequence: rotated key halves (N, HALF_PAD) x2 in float32,
-    values (N, D_PAD) as stored (float32 if scaled).
+def load_kv_tile(key_ptr, value_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr, tokens, valid, head,
+                 stride_block, stride_offset, stride_head, stride_scale_block, stride_scale_offset,
+                 stride_scale_head, HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """KV head `head` at `tokens` (N,) of one sequence, as stored: key halves (N, HALF_PAD) x2 in
+    float32 (each rotated by its offset in its block), values (N, D_PAD) (float32 if scaled).
 
-    Token t sits at table index t // BLOCK_SIZE, offset t % BLOCK_SIZE, and
-    is rotated by its cache position t: k1' = k1 * cos - k2 * sin,
-    k2' = k2 * cos + k1 * sin, cos and sin the first half of row t (the
-    rotate-half layout repeats its halves).
+    Token t sits at table index t // BLOCK_SIZE, offset t % BLOCK_SIZE.
     """
     block_ids = tl.load(table_row_ptr + tokens // BLOCK_SIZE, mask=valid, other=0)
     offsets = tokens % BLOCK_SIZE
@@ -87,23 +85,39 @@ def load_kv_tile(key_ptr, value_ptr, k_scale_ptr, v_scale_ptr, cos_ptr, sin_ptr,
     k1 = load_slots(key_ptr, k_scale_ptr, rows, scale_rows, dh, valid, dh < HALF, HAS_SCALE).to(tl.float32)
     k2 = load_slots(key_ptr, k_scale_ptr, rows, scale_rows, dh + HALF, valid, dh < HALF, HAS_SCALE).to(tl.float32)
     v = load_slots(value_ptr, v_scale_ptr, rows, scale_rows, d, valid, d < HEAD_DIM, HAS_SCALE)
-    rope = tokens.to(tl.int64)[:, None] * stride_cos + dh[None, :]
-    half_mask = valid[:, None] & (dh < HALF)[None, :]
-    cos = tl.load(cos_ptr + rope, mask=half_mask, other=0.0)
-    sin = tl.load(sin_ptr + rope, mask=half_mask, other=0.0)
-    return k1 * cos - k2 * sin, k2 * cos + k1 * sin, v
+    return k1, k2, v
 
 
 @triton.jit
-def softmax_step(q1, q2, k1, k2, v, mask, m_i, l_i, acc, DOT_DTYPE: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """Fold one key tile into the online softmax of query rows q (R, .) (log2 domain).
+def rope_rows(cos_ptr, sin_ptr, pos, valid, stride_cos, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """First halves of the cos and sin rows at `pos` (R,): (R, HALF_PAD) float32 each, 0 where not valid."""
+    dh = tl.arange(0, HALF_PAD)
+    offs = pos.to(tl.int64)[:, None] * stride_cos + dh[None, :]
+    mask = valid[:, None] & (dh < HALF)[None, :]
+    return tl.load(cos_ptr + offs, mask=mask, other=0.0), tl.load(sin_ptr + offs, mask=mask, other=0.0)
 
-    q is pre-multiplied by scale * log2(e); mask (R, N) marks the keys a row sees.
-    Returns the new running max m_i (R,), sum l_i (R,) and unnormalized acc (R, D_PAD).
-    """
+
+@triton.jit
+def rotate(x1, x2, c, s):
+    """Rotate-half rotation of halves x1, x2 by rows c, s (broadcast): (x1 c - x2 s, x2 c + x1 s)."""
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def qk_scores(q1, q2, k1, k2, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores (R, N) of query halves (R, HALF_PAD) against key halves (N, HALF_PAD): q1.k1 + q2.k2."""
     s = tl.dot(q1.to(DOT_DTYPE), tl.trans(k1.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-    s += tl.dot(q2.to(DOT_DTYPE), tl.trans(k2.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+    return s + tl.dot(q2.to(DOT_DTYPE), tl.trans(k2.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def softmax_step(s, v, mask, m_i, l_i, acc, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold one tile's scores s (R, N) and values v (N, D_PAD) into the online softmax (log2 domain).
+
+    Scores come from queries pre-multiplied by scale * log2(e); mask (R, N)
+    marks the keys a row sees. Returns the new running max m_i (R,), sum l_i
+    (R,) and unnormalized acc (R, D_PAD).
+    """
     s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)

@@ -4,7 +4,12 @@ Computes what `reference.paged_prefill_attention` computes: query i of a
 chunk of n queries of sequence b sits at cache position p = seq_lens[b] - n + i
 and attends to every cached key of b at a position <= p: the blocks written
 before this step and the chunk's own keys (written just before the call).
-Keys are rotated by cache position inside the kernel; queries arrive rotated.
+Queries arrive unrotated: a program rotates its query rows by their cache
+positions once, then each tile of keys by its block's start (keys are stored
+rotated by their offset in the block, so R(start) R(o) k = R(p_k) k). That
+is O(keys) per tile, but one tile serves BLOCK_M * G query rows; rotating
+the queries per block instead would cost a rotation of all R rows per tile
+(and one rope row per query row instead of one per key).
 
     sequence b:  0 ....... cached ........ seq_len-n ... chunk ... seq_len
     query tile:                                      [BLOCK_M queries]
@@ -22,7 +27,7 @@ extra ones find no sequence and write nothing.
 
 Layouts:
 
-    q, out       : (T, num_heads, head_dim), sequence b's queries at
+    q, out       : (T, num_heads, head_dim), q unrotated, sequence b's queries at
                    rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]; last dim contiguous
     cu_seqlens_q : (num_seqs + 1,) int32
     block_tables : (num_seqs, max_blocks) int32, seq_lens (num_seqs,) int32
@@ -38,7 +43,8 @@ import triton
 import triton.language as tl
 
 from streamchat.kernels.paged_attention import (NEG_BIG, check_pool, check_rope, check_table, dot_dtype,
-                                                head_tiles, load_kv_tile, scale_strides, softmax_step)
+                                                head_tiles, load_kv_tile, qk_scores, rope_rows, rotate,
+                                                scale_strides, softmax_step)
 
 LOG2E = 1.4426950408889634
 
@@ -88,6 +94,8 @@ def _prefill_kernel(
         q_mask = row_valid[:, None] & (dh < HALF)[None, :]
         q1 = tl.load(q_rows + dh[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
         q2 = tl.load(q_rows + HALF + dh[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+        qc, qs = rope_rows(cos_ptr, sin_ptr, q_pos, row_valid, stride_cos, HALF, HALF_PAD)  # (R, HALF_PAD)
+        q1, q2 = rotate(q1, q2, qc, qs)  # by cache position, once
 
         m_i = tl.full([BLOCK_M * G_PAD], NEG_BIG, tl.float32)
         l_i = tl.zeros([BLOCK_M * G_PAD], tl.float32)
@@ -97,12 +105,16 @@ def _prefill_kernel(
         for n0 in range(0, kv_end, BLOCK_N):
             tokens = n0 + tl.arange(0, BLOCK_N)
             valid = tokens < kv_end
-            k1, k2, v = load_kv_tile(key_ptr, value_ptr, k_scale_ptr, v_scale_ptr, cos_ptr, sin_ptr,
-                                     table_row, tokens, valid, kv_head, stride_block, stride_offset,
-                                     stride_head, stride_scale_block, stride_scale_offset, stride_scale_head,
-                                     stride_cos, HALF, HALF_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, HAS_SCALE)
+            k1, k2, v = load_kv_tile(key_ptr, value_ptr, k_scale_ptr, v_scale_ptr, table_row, tokens, valid,
+                                     kv_head, stride_block, stride_offset, stride_head, stride_scale_block,
+                                     stride_scale_offset, stride_scale_head, HALF, HALF_PAD, HEAD_DIM, D_PAD,
+                                     BLOCK_SIZE, HAS_SCALE)
+            kc, ks = rope_rows(cos_ptr, sin_ptr, tokens // BLOCK_SIZE * BLOCK_SIZE, valid, stride_cos, HALF,
+                               HALF_PAD)  # (BLOCK_N, HALF_PAD): the rows of each key's block start
+            k1, k2 = rotate(k1, k2, kc, ks)  # R(block start) R(offset) k = k rotated by its cache position
+            s = qk_scores(q1, q2, k1, k2, DOT_DTYPE, DOT_PRECISION)
             causal = valid[None, :] & (tokens[None, :] <= q_pos[:, None])
-            m_i, l_i, acc = softmax_step(q1, q2, k1, k2, v, causal, m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION)
+            m_i, l_i, acc = softmax_step(s, v, causal, m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_rows = (q_start + q_idx).to(tl.int64)[:, None] * stride_out_tok + head[:, None] * stride_out_head

@@ -63,10 +63,13 @@ def quantize(x: torch.Tensor, storage: torch.dtype) -> tuple[torch.Tensor, torch
     return y.to(storage), scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Stored values and scales -> (..., head_dim) in `dtype`."""
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored values and scales -> (..., head_dim) in `dtype`, into `out` if given (int8/fp8)."""
     if q.dtype == torch.uint8:
         return _dequantize_int4(q, scale).to(dtype)
+    if out is not None:  # the same float32 product, without a temporary (int8/fp8 -> out's dtype is exact)
+        return out.copy_(q).mul_(scale[..., None])
     return (q.float() * scale[..., None]).to(dtype)
 
 

@@ -1,8 +1,12 @@
-"""Attention metadata for one step and the backend that consumes it.
+"""Attention metadata for one step, the plan its layers share, and the backend that consumes them.
 
 Owns the shape of what the runner passes down to attention (an argument,
-never a global) and the choice, made once at start-up, between the
-pure-torch reference (CPU, and the oracle) and the Triton kernels (CUDA).
+never a global), the choice, made once at start-up, between the pure-torch
+reference (CPU, and the oracle) and the Triton kernels (CUDA), and the
+per-step plan: everything the same for all layers (tables, lengths, rope
+rows, masks, the split of the chunks, the decode kernels' split buffers) is
+made once by the backend's `plan` and handed to every layer; buffers that
+outlive a step (the torch backend's gather workspace) belong to the backend.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class PrefillGroup:
     cu_seqlens_q: torch.Tensor  # (Bp + 1,) int32, offsets within the prefill rows
     block_tables: torch.Tensor  # (Bp, max_blocks) int32
     seq_lens: torch.Tensor  # (Bp,) int32
+    query_lens: list[int]  # host copies of the chunk sizes and seq_lens: a plan needs no device sync
+    key_lens: list[int]
 
 
 class LayerKV(NamedTuple):
@@ -47,28 +53,69 @@ class AttentionMetadata:
     """Decode rows come first in the flat batch, then the prefill chunks."""
 
     slot_mapping: torch.Tensor  # (T,) int64: where each token's K/V is written
+    block_size: int
     decode: DecodeGroup | None
     prefill: PrefillGroup | None
 
+    @property
+    def num_decode(self) -> int:
+        return 0 if self.decode is None else self.decode.seq_lens.shape[0]
+
+
+class Heads(NamedTuple):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class StepPlan(NamedTuple):
+    """What every layer of a step shares; `write`, `decode`, `prefill` are the backend's own."""
+
+    meta: AttentionMetadata
+    write: object
+    decode: object | None
+    prefill: object | None
+
 
 class TorchBackend:
-    """The pure-torch reference backend."""
+    """The pure-torch reference backend.
+
+    Owns one scratch workspace for the blocks attention gathers, reused by
+    every layer and step (see `reference.Workspace`): the only state it keeps.
+    """
 
     name = "torch"
 
-    def write(self, key_cache, value_cache, key, value, slot_mapping, k_scale=None, v_scale=None) -> None:
-        reference.write_kv(key_cache, value_cache, key, value, slot_mapping, k_scale, v_scale)
+    def __init__(self) -> None:
+        self.workspace = reference.Workspace()
 
-    def decode(self, q, key_cache, value_cache, group: DecodeGroup, cos, sin, scale,
-               k_scale=None, v_scale=None):
-        return reference.paged_decode_attention(
-            q, key_cache, value_cache, group.block_tables, group.seq_lens, cos, sin, scale, k_scale, v_scale)
+    def plan(self, meta: AttentionMetadata, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             dtype: torch.dtype, heads: Heads) -> tuple:
+        """(write, decode, prefill) parts of a step plan: rope rows (write offsets, decode per block,
+        prefill positions and block starts), masks, the host-side split of the chunks."""
+        bs = meta.block_size
+        key_cos, key_sin = reference.rope_rows(cos, sin, meta.slot_mapping % bs, torch.float32)
+        decode = prefill = None
+        if meta.decode is not None:
+            g = meta.decode
+            decode = reference.decode_plan(g.block_tables, g.seq_lens, bs, heads.num_heads, heads.num_kv_heads,
+                                           cos, sin, dtype, self.workspace)
+        if meta.prefill is not None:
+            g = meta.prefill
+            prefill = reference.prefill_plan(g.block_tables, g.query_lens, g.key_lens,
+                                             positions[meta.num_decode:], bs, heads.num_heads,
+                                             heads.num_kv_heads, cos, sin, dtype, self.workspace)
+        return (key_cos[:, None], key_sin[:, None]), decode, prefill
 
-    def prefill(self, q, key_cache, value_cache, group: PrefillGroup, cos, sin, scale,
-                k_scale=None, v_scale=None):
-        return reference.paged_prefill_attention(
-            q, key_cache, value_cache, group.block_tables, group.seq_lens,
-            group.cu_seqlens_q, cos, sin, scale, k_scale, v_scale)
+    def write(self, kv: LayerKV, key: torch.Tensor, value: torch.Tensor, plan: StepPlan) -> None:
+        reference.store_kv(kv.key, kv.value, key, value, plan.meta.slot_mapping, *plan.write,
+                           kv.k_scale, kv.v_scale)
+
+    def decode(self, q: torch.Tensor, kv: LayerKV, plan: StepPlan, scale: float) -> torch.Tensor:
+        return reference.decode(q, kv.key, kv.value, plan.decode, scale, kv.k_scale, kv.v_scale)
+
+    def prefill(self, q: torch.Tensor, kv: LayerKV, plan: StepPlan, scale: float) -> torch.Tensor:
+        return reference.prefill(q, kv.key, kv.value, plan.prefill, scale, kv.k_scale, kv.v_scale)
 
 
 def make_backend(name: str, device: torch.device):
@@ -84,15 +131,22 @@ def make_backend(name: str, device: torch.device):
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
 
 
-def attend(backend, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, cos: torch.Tensor,
-           sin: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention for a flat batch q (T, H, D): decode rows, then prefill chunks."""
+def plan_step(backend, meta: AttentionMetadata, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              dtype: torch.dtype, heads: Heads) -> StepPlan:
+    """The step's plan, made once and handed to every layer's `write` and `attend`.
+
+    positions (T,) are the tokens' cache positions; cos/sin (max_pos, D) the
+    model's float32 rotary tables; dtype the model's.
+    """
+    return StepPlan(meta, *backend.plan(meta, positions, cos, sin, dtype, heads))
+
+
+def attend(backend, q: torch.Tensor, kv: LayerKV, plan: StepPlan, scale: float) -> torch.Tensor:
+    """Attention for a flat batch of unrotated queries q (T, H, D): decode rows, then prefill chunks."""
     parts = []
-    scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}
-    num_decode = 0
-    if meta.decode is not None:
-        num_decode = meta.decode.seq_lens.shape[0]
-        parts.append(backend.decode(q[:num_decode], kv.key, kv.value, meta.decode, cos, sin, scale, **scales))
-    if meta.prefill is not None:
-        parts.append(backend.prefill(q[num_decode:], kv.key, kv.value, meta.prefill, cos, sin, scale, **scales))
+    num_decode = plan.meta.num_decode
+    if plan.decode is not None:
+        parts.append(backend.decode(q[:num_decode], kv, plan, scale))
+    if plan.prefill is not None:
+        parts.append(backend.prefill(q[num_decode:], kv, plan, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

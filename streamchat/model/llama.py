@@ -1,9 +1,11 @@
 """Our own forward pass for the Llama family over a flat varlen batch.
 
-Owns the math of one step: RMSNorm, rotary embedding of queries, grouped-query
-attention through the paged pool (via an attention backend), SwiGLU, tied or
-untied embeddings. Input is a flat batch of tokens from many sequences with
-their cache positions and attention metadata, never a padded rectangle.
+Owns the math of one step: RMSNorm, the rotary tables, grouped-query attention
+through the paged pool (via an attention backend, which applies the rotary
+embedding: keys by their offset in their block when written, queries per
+block when attending), SwiGLU, tied or untied embeddings. Input is a flat
+batch of tokens from many sequences with their cache positions and attention
+metadata, never a padded rectangle.
 Knows nothing about scheduling, sessions or block bookkeeping.
 """
 
@@ -15,8 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from streamchat.kernels.reference import rotate_half
-from streamchat.model.attention import AttentionMetadata, LayerKV, attend
+from streamchat.model.attention import AttentionMetadata, Heads, LayerKV, attend, plan_step
 
 
 @dataclass(frozen=True)
@@ -112,23 +113,21 @@ class LlamaModel:
                 logits_idx: torch.Tensor | None) -> torch.Tensor | None:
         """input_ids, positions (T,) -> float32 logits (N, vocab) for the rows in logits_idx."""
         s = self.shape
-        block_size = kv_caches[0][0].shape[1]
         widths = [g.block_tables.shape[1] for g in (meta.decode, meta.prefill) if g is not None]
-        cos_table, sin_table = self.rope_tables(max(widths, default=1) * block_size)  # keys rotate up to here
-        cos = cos_table[positions].to(self.dtype)[:, None, :]  # (T, 1, D)
-        sin = sin_table[positions].to(self.dtype)[:, None, :]
+        cos, sin = self.rope_tables(max(widths, default=1) * meta.block_size)  # every cache position
+        heads = Heads(s.num_heads, s.num_kv_heads, s.head_dim)
+        plan = plan_step(self.backend, meta, positions, cos, sin, self.dtype, heads)  # shared by every layer
         h = self.embed[input_ids]  # (T, hidden)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         for layer, kv in zip(self.layers, kv_caches):
             x = self.rms_norm(h, layer.input_norm)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(-1, s.num_heads, s.head_dim)  # (T, H, D)
-            q = q * cos + rotate_half(q) * sin
-            k = k.view(-1, s.num_kv_heads, s.head_dim)  # (T, KVH, D), stored before rotation
+            q = q.view(-1, s.num_heads, s.head_dim)  # (T, H, D), rotated per block inside attention
+            k = k.view(-1, s.num_kv_heads, s.head_dim)  # (T, KVH, D), stored rotated by its block offset
             v = v.view(-1, s.num_kv_heads, s.head_dim)
-            self.backend.write(kv.key, kv.value, k, v, meta.slot_mapping, k_scale=kv.k_scale, v_scale=kv.v_scale)
-            o = attend(self.backend, q, kv, meta, cos_table, sin_table, self.scale)
+            self.backend.write(kv, k, v, plan)
+            o = attend(self.backend, q, kv, plan, self.scale)
             h = h + F.linear(o.reshape(-1, q_size), layer.o)
             x = self.rms_norm(h, layer.post_norm)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)

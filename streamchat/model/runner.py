@@ -136,6 +136,7 @@ class ModelRunner:
         logits_rows = [end for c, end in zip(chunks, ends) if c.want_logits]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(flat_slots, dtype=torch.int64, device=dev),
+            block_size=self.block_size,
             decode=self._decode_group(batch) if batch.decode else None,
             prefill=self._prefill_group(batch) if batch.prefill else None,
         )
@@ -154,10 +155,12 @@ class ModelRunner:
                            torch.tensor(lens, dtype=torch.int32, device=self.model.device))
 
     def _prefill_group(self, batch: StepBatch) -> PrefillGroup:
+        query_lens = [len(c.token_ids) for c in batch.prefill]
+        key_lens = [c.seq_len for c in batch.prefill]
         cu = [0]
-        for c in batch.prefill:
-            cu.append(cu[-1] + len(c.token_ids))
+        for n in query_lens:
+            cu.append(cu[-1] + n)
         dev = self.model.device
         return PrefillGroup(torch.tensor(cu, dtype=torch.int32, device=dev), self._tables(batch.prefill),
-                            torch.tensor([c.seq_len for c in batch.prefill], dtype=torch.int32, device=dev))
+                            torch.tensor(key_lens, dtype=torch.int32, device=dev), query_lens, key_lens)
 

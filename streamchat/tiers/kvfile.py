@@ -14,7 +14,7 @@ table order, plus the state that goes with them) and hands one back.
               "checksum":   "blake2b-128:" + hex over the header JSON and, by name, each
                             tensor's name, dtype, shape and bytes
 
-    header    format "streamchat.kv", version 1, session_id, written_at (unix s),
+    header    format "streamchat.kv", version 2, session_id, written_at (unix s),
               transcript_mark (what the store held when it was written; null if unknown),
               layout: model_fingerprint, model_dtype, kv_dtype, block_size, sink_tokens,
                       window_tokens, pin_system_prompt, num_layers, num_kv_heads, head_dim
@@ -22,8 +22,11 @@ table order, plus the state that goes with them) and hands one back.
                       num_sink_blocks, pinned_tokens, pristine, evicted_tokens,
                       total_tokens, cached_tokens, queried_tokens
 
-Keys are stored before rotary embedding and rotated by cache position when
-attended, so the blocks may go back into any physical blocks, in this order.
+Each key is stored rotated by its offset in its block (0..block_size-1), never
+by its cache position, so the blocks may go back into any physical blocks, in
+this order. Version 1 files held keys before rotary embedding: refused with
+reason "version" (the session is rebuilt from its transcript, as for any file
+that cannot be used).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from pathlib import Path
 import torch
 
 FORMAT = "streamchat.kv"
-VERSION = 1
+VERSION = 2  # 2: keys rotated by their offset in their block; 1: keys before rotary embedding
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
 FIELDS = ("key", "value", "k_scale", "v_scale")  # LayerKV order

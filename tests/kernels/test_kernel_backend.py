@@ -67,11 +67,12 @@ def test_tiny_llama_steps_match_torch_backend(kv_dtype):
         if kv_dtype == "int8":  # a rounding step may land one unit apart; compare what readers see
             want_k, got_k = (t.key.float() * t.k_scale[..., None] for t in (want, got))
             want_v, got_v = (t.value.float() * t.v_scale[..., None] for t in (want, got))
-            tol = 0.02
+            tol = k_tol = 0.02
         else:
             (want_k, want_v), (got_k, got_v) = (want.key, want.value), (got.key, got.value)
-            tol = 0 if layer == 0 else 1e-5  # layer 0's K/V come from the embeddings alone: bit-exact
-        torch.testing.assert_close(got_k, want_k, atol=tol, rtol=tol)
+            tol = 0 if layer == 0 else 1e-5  # layer 0's K/V come from the embeddings alone: bit-exact,
+            k_tol = 1e-6 if layer == 0 else 1e-5  # but for the keys' float32 rotation by block offset
+        torch.testing.assert_close(got_k, want_k, atol=k_tol, rtol=k_tol)
         torch.testing.assert_close(got_v, want_v, atol=tol, rtol=tol)
 
 

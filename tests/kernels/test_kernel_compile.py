@@ -68,7 +68,7 @@ def record_launches():
         q = torch.zeros(4, 4 * num_kv_heads, head_dim, dtype=q_dtype)
         decode.paged_decode(q, key, key, tables, seq_lens, cos, sin, 0.1, *scales)
         prefill.paged_prefill(q, key, key, tables, seq_lens, cu, cos, sin, 0.1, *scales)
-        write_kv.write_kv(key, key, q[:, :num_kv_heads], q[:, :num_kv_heads], torch.arange(4), *scales)
+        write_kv.write_kv(key, key, q[:, :num_kv_heads], q[:, :num_kv_heads], torch.arange(4), cos, sin, *scales)
     return recorders
 
 

@@ -12,7 +12,7 @@ STORAGES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}
 def keys(n=64, heads=3, dim=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, heads, dim, generator=g)
-    x[:, :, 5] *= 4  # a per-channel outlier, as pre-rotation keys have
+    x[:, :, 5] *= 4  # a per-channel outlier, as unrotated keys have
     return x
 
 
@@ -46,21 +46,21 @@ def test_attention_over_a_quantized_pool_is_close_to_unquantized(kv_dtype, tol):
     nb, bs, kvh, d, h = 12, 16, 3, 64, 9
     k, v = keys(nb * bs, kvh, d, 1), keys(nb * bs, kvh, d, 2)
     slots = torch.arange(nb * bs)
+    t = torch.arange(512, dtype=torch.float32)
+    freqs = torch.outer(t, 1.0 / (10000 ** (torch.arange(0, d, 2) / d)))
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
     fk, fv = torch.zeros(nb, bs, kvh, d), torch.zeros(nb, bs, kvh, d)
-    reference.write_kv(fk, fv, k, v, slots)
+    reference.write_kv(fk, fv, k, v, slots, cos, sin)
     storage = STORAGES[kv_dtype]
     width = quant.storage_head_dim(kv_dtype, d)
     qk, qv = torch.zeros(nb, bs, kvh, width, dtype=storage), torch.zeros(nb, bs, kvh, width, dtype=storage)
     sshape = (nb, bs, kvh, *quant.scale_shape(kv_dtype, d))
     sdt = torch.float16 if kv_dtype == "int4" else torch.float32
     ks, vs = torch.ones(sshape, dtype=sdt), torch.ones(sshape, dtype=sdt)
-    reference.write_kv(qk, qv, k, v, slots, ks, vs)
+    reference.write_kv(qk, qv, k, v, slots, cos, sin, ks, vs)  # quantized after the rotation
     q = torch.randn(2, h, d) * 0.3  # scores of the spread real models show, not one-hot softmax
     tables = torch.tensor([[0, 3, 5, 7, 9, 11], [1, 2, 4, 6, 8, 10]], dtype=torch.int32)
     lens = torch.tensor([90, 96], dtype=torch.int32)
-    t = torch.arange(512, dtype=torch.float32)
-    freqs = torch.outer(t, 1.0 / (10000 ** (torch.arange(0, d, 2) / d)))
-    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
     want = reference.paged_decode_attention(q, fk, fv, tables, lens, cos, sin, d ** -0.5)
     got = reference.paged_decode_attention(q, qk, qv, tables, lens, cos, sin, d ** -0.5, ks, vs)
     err = (got - want).abs().max().item()

@@ -76,3 +76,35 @@ def test_bundled_logits_match_transformers(bundled_fp32, bundled_case, chunk):
     assert (diff > 1e-4).float().mean() < 1e-3, f"{int((diff > 1e-4).sum())} logits beyond 1e-4"
     assert diff.max() < 2.5e-4, diff.max()
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_block_keys_do_not_move_with_eviction_and_equal_a_fresh_prefill(tiny):
+    """A block's stored keys are the same bytes before and after an eviction shifts it left in the
+    table, and (layer 0, whose keys see only their own token) the same as a fresh prefill of the
+    cache's tokens puts at that table index."""
+    _, loaded = tiny
+    gen = torch.Generator().manual_seed(3)
+    runner = ModelRunner(loaded, CacheConfig(block_size=16, num_blocks=12))
+    mgr = KVCacheManager(BlockPool(12), 16, sink_tokens=16, window_tokens=48)
+    seq = mgr.new_seq()
+
+    def feed(run, s, ids):
+        placed = mgr.append(s, ids)
+        run.execute(StepBatch(prefill=[SeqChunk(ids, placed.positions, placed.slots, list(s.block_ids), True)]))
+        return placed
+
+    feed(runner, seq, torch.randint(0, 300, (64,), generator=gen).tolist())  # blocks 0..3: sink + window
+    before = {b: [kv.key[b].clone() for kv in runner.kv_caches] for b in seq.block_ids}
+    moved = seq.block_ids[2]
+    placed = feed(runner, seq, [7])  # needs a block: evicts table index 1, block `moved` goes 2 -> 1
+    assert placed.num_evicted == 16 and seq.block_ids.index(moved) == 1
+    for b in seq.block_ids[:-1]:
+        assert all(torch.equal(kv.key[b], k) for kv, k in zip(runner.kv_caches, before[b]))
+
+    fresh_runner = ModelRunner(loaded, CacheConfig(block_size=16, num_blocks=12))
+    fresh = mgr.new_seq()
+    feed(fresh_runner, fresh, list(seq.token_ids))  # the evicted cache's tokens, cold, at their new positions
+    for idx, (b, fb) in enumerate(zip(seq.block_ids, fresh.block_ids)):
+        used = min(16, len(seq.token_ids) - 16 * idx)
+        torch.testing.assert_close(fresh_runner.kv_caches[0].key[fb, :used], runner.kv_caches[0].key[b, :used],
+                                   atol=1e-6, rtol=0)

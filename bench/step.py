@@ -1,0 +1,130 @@
+"""Decode step time of the model runner at N sessions x C cached tokens: what one engine step costs.
+
+    python bench/step.py                                  # 16 sessions x ~2,050 tokens, the bundled model
+    python bench/step.py --sessions 16 --cached 2050 --steps 20 --threads 2 --dtype auto --profile
+
+Builds the runner and a cache manager with the daemon's defaults (blocks of
+16, 4 sink tokens, a 2,048-token window), gives every session `--cached`
+tokens of random K/V in shuffled blocks (no prefill: a decode step costs
+the same whatever the values), then times `--steps` decode steps of all
+sessions at once through `ModelRunner.execute` (each step appends one token
+per session, evicting as the daemon would once the window is full). Prints
+the median and spread of the step's wall time and its median CPU time (all
+threads of the process: steadier than wall time when other work shares the
+machine), then one JSON line. `--profile` adds torch's profiler table of one
+step's operators.
+
+Uses only what the runner has offered since before issue #15 (runner,
+manager, StepBatch), so the same file times an older checkout: run it with
+that checkout first on PYTHONPATH and interleave the runs (A B A B) on a
+shared machine.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+common.passive_omp()  # as the daemon does, before torch starts
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from streamchat.cache.block_pool import BlockPool  # noqa: E402
+from streamchat.cache.manager import KVCacheManager  # noqa: E402
+from streamchat.config import CacheConfig, ModelConfig  # noqa: E402
+from streamchat.model.batch import SeqChunk, StepBatch  # noqa: E402
+from streamchat.model.runner import ModelRunner, load_model  # noqa: E402
+
+
+def parse(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--cached", type=int, default=2050, help="tokens in each session's cache before timing")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--profile", action="store_true")
+    return p.parse_args(argv)
+
+
+class Sessions:
+    """`n` sequences of one manager, filled with `cached` tokens each, stepped one token at a time."""
+
+    def __init__(self, runner: ModelRunner, cache: CacheConfig, n: int, cached: int, seed: int = 0) -> None:
+        self.runner, self.rng = runner, random.Random(seed)
+        self.mgr = KVCacheManager(BlockPool(runner.num_blocks), cache.block_size, cache.sink_tokens,
+                                  cache.window_tokens, prefix_sharing=False)
+        self.seqs = [self.mgr.new_seq() for _ in range(n)]
+        vocab = runner.model.shape.vocab_size
+        for seq in self.seqs:  # chunks no longer than an append may be
+            for start in range(0, cached, self.mgr.max_chunk):
+                ids = [self.rng.randrange(vocab) for _ in range(min(self.mgr.max_chunk, cached - start))]
+                self.mgr.append(seq, ids)
+        gen = torch.Generator().manual_seed(seed)
+        for kv in runner.kv_caches:  # values do not change the cost; zeros would make softmax trivial
+            for t in (kv.key, kv.value):
+                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+
+    def batch(self) -> StepBatch:
+        chunks = []
+        for seq in self.seqs:
+            ids = [self.rng.randrange(self.runner.model.shape.vocab_size)]
+            placed = self.mgr.append(seq, ids)
+            chunks.append(SeqChunk(ids, placed.positions, placed.slots, list(seq.block_ids), True))
+        return StepBatch(decode=chunks)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(ModelConfig(dtype=args.dtype))
+    s = loaded.model.shape
+    per_seq_blocks = -(-(args.cached + args.warmup + args.steps + 64) // 16)
+    cache = CacheConfig(num_blocks=args.sessions * per_seq_blocks + 8)
+    runner = ModelRunner(loaded, cache)
+    sessions = Sessions(runner, cache, args.sessions, args.cached)
+    for _ in range(args.warmup):
+        runner.execute(sessions.batch())
+    times, cpu_times = [], []
+    for _ in range(args.steps):
+        batch = sessions.batch()  # scheduling work is not the runner's: left out of the time
+        start, cpu_start = time.perf_counter(), time.process_time()
+        runner.execute(batch)
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+    cached = [len(seq.token_ids) for seq in sessions.seqs]
+    ms = sorted(t * 1e3 for t in times)
+    row = dict(bench="step", sessions=args.sessions, cached_tokens=round(statistics.mean(cached)),
+               model=loaded.source.name, dtype=str(loaded.model.dtype), layers=s.num_layers,
+               threads=torch.get_num_threads(), backend=loaded.model.backend.name, steps=args.steps,
+               step_ms_median=round(statistics.median(ms), 1), step_ms_p10=round(ms[len(ms) // 10], 1),
+               step_ms_p90=round(ms[(9 * len(ms)) // 10], 1),
+               cpu_ms_median=round(statistics.median(cpu_times) * 1e3, 1))
+    print(f"{args.sessions} sessions x {row['cached_tokens']} cached tokens, {row['dtype']}, "
+          f"{row['threads']} threads, {row['backend']} attention: decode step median {row['step_ms_median']} ms "
+          f"(p10 {row['step_ms_p10']}, p90 {row['step_ms_p90']}), CPU time {row['cpu_ms_median']} ms")
+    if args.profile:
+        from torch.profiler import profile
+
+        batch = sessions.batch()
+        with profile() as prof:
+            runner.execute(batch)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
