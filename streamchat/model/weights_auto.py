@@ -90,7 +90,11 @@ def choose(path: Path, device: torch.device, measure: Callable[[], dict[str, Mea
 
 
 def measure(build: Callable[[str], object], token_ids: list[int]) -> dict[str, Measured]:
-    """Each format's perplexity over `token_ids` and its decode step time; `build(fmt)` -> LoadedModel."""
+    """Each format's perplexity over `token_ids` and its decode step time; `build(fmt)` -> LoadedModel.
+
+    All formats are held at once (their steps interleave): dense plus about
+    half its bytes again, the quantized copies sharing the dense embedding.
+    """
     from streamchat import evaluate_policies as ep
 
     loaded = {fmt: build(fmt) for fmt in FORMATS}
