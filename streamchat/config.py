@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "int8", "fp8", "int4")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+WEIGHTS = ("auto", "bf16", "int8", "int4")  # auto: measured once per model and device, then cached
 
 
 class ConfigError(ValueError):
@@ -31,9 +32,15 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto: triton on cuda, torch elsewhere
     num_threads: int = 0  # torch intra-op threads; 0: one per core
     cache_dir: str | None = None  # converted checkpoints; None: XDG cache
+    # How the linear layers' weights are served: "bf16" is dense in `dtype` (the
+    # issue's name; float32 on CPUs without bf16), int8 per channel, int4 in
+    # groups of 32 (a Q4_1 GGUF's own blocks), auto the fastest of them whose
+    # perplexity is within 1% of dense (measured once, cached). See model/weights.py.
+    weights: str = "bf16"
 
     def validate(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
+        _choice("weights", self.weights, WEIGHTS)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.num_threads < 0:
             raise ConfigError(f"num_threads must be >= 0, got {self.num_threads}")

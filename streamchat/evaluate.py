@@ -3,8 +3,9 @@
 Owns the text (the shipped *Botchan* by default), the command line, checking
 its inputs before the model loads, and the report (a table, or one JSON
 object per line). How each policy feeds the model lives in
-`streamchat.evaluate_policies`. One result per (policy, kv_dtype): a new KV
-storage format only has to join `config.KV_DTYPES` and the runner's pool.
+`streamchat.evaluate_policies`. One result per (weights, kv_dtype, policy):
+a new KV storage format only has to join `config.KV_DTYPES` and the runner's
+pool, a new weight format `config.WEIGHTS` and `model.weights`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from streamchat.config import KV_DTYPES, ConfigError
+from streamchat.config import KV_DTYPES, WEIGHTS, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ POLICIES = ("full", "window", "sink", "recompute")  # = evaluate_policies.POLICI
 
 @dataclass
 class EvalResult:
-    """One (policy, kv_dtype): mean NLL over `tokens` predicted tokens.
+    """One (weights, kv_dtype, policy): mean NLL over `tokens` predicted tokens.
 
     `sample_*` is the same policy scored only on the recompute oracle's
     strided sample (present when `recompute` ran too): the like-for-like
@@ -46,13 +47,15 @@ class EvalResult:
     sample_tokens: int | None = None
     sample_nll: float | None = None
     note: str | None = None
+    weights: str = "bf16"  # the served weight format (`auto` resolved)
 
     @property
     def ppl(self) -> float:
         return math.exp(self.nll)
 
     def to_json(self) -> dict:
-        out = {"policy": self.policy, "kv_dtype": self.kv_dtype, "sink_tokens": self.sink_tokens,
+        out = {"policy": self.policy, "weights": self.weights, "kv_dtype": self.kv_dtype,
+               "sink_tokens": self.sink_tokens,
                "window_tokens": self.window_tokens, "block_size": self.block_size, "tokens": self.tokens,
                "nll": self.nll, "ppl": self.ppl, "seconds": round(self.seconds, 3)}
         if self.stride is not None:
@@ -81,8 +84,8 @@ def read_text(path: str | None) -> str:
     return text
 
 
-def check_args(args) -> tuple[list[str], list[str]]:
-    """Validate sizes and names before anything heavy loads; (policies, kv_dtypes)."""
+def check_args(args, default_weights: str = "bf16") -> tuple[list[str], list[str], list[str]]:
+    """Validate sizes and names before anything heavy loads; (policies, kv_dtypes, weights)."""
     for flag in ("sink_tokens", "window_tokens", "block_size", "tokens", "recompute_stride"):
         value = getattr(args, flag)
         if value <= 0:
@@ -96,7 +99,8 @@ def check_args(args) -> tuple[list[str], list[str]]:
                           f"of {args.block_size} tokens")
     policies = _names(args.policies, POLICIES, "--policy") or list(POLICIES)
     kv_dtypes = _names(args.kv_dtypes, KV_DTYPES, "--kv-dtype") or ["auto"]
-    return policies, kv_dtypes
+    weights = _names(args.weights, WEIGHTS, "--weights") or [default_weights]
+    return policies, kv_dtypes, weights
 
 
 def _names(values: list[str] | None, known: tuple[str, ...], flag: str) -> list[str]:
@@ -133,13 +137,14 @@ def evaluate(loaded, token_ids: list[int], spec, policies: list[str], kv_dtypes:
             with tqdm(total=total, desc=f"{policy} ({kv_dtype})", unit="tok", leave=False,
                       disable=not progress, file=sys.stderr) as bar:
                 scored = ep.run_policy(loaded, policy, token_ids, kv_spec, bar)
-            yield _result(policy, kv_spec, scored, sample)
+            yield _result(policy, kv_spec, scored, sample, loaded.weights)
 
 
-def _result(policy: str, spec, scored, sample) -> EvalResult:
+def _result(policy: str, spec, scored, sample, weights: str) -> EvalResult:
     r = EvalResult(policy, spec.kv_dtype, spec.sink_tokens if policy == "sink" else 0,
                    None if policy == "full" else spec.window_tokens, spec.block_size,
-                   len(scored.nll), float(scored.nll.double().mean()), scored.seconds, note=scored.note)
+                   len(scored.nll), float(scored.nll.double().mean()), scored.seconds, note=scored.note,
+                   weights=weights)
     if policy == "recompute":
         r.stride = spec.recompute_stride
     elif sample is not None:
@@ -151,11 +156,11 @@ def _result(policy: str, spec, scored, sample) -> EvalResult:
 def format_row(r: EvalResult) -> str:
     window = "-" if r.window_tokens is None else str(r.window_tokens)
     sample = "" if r.sample_nll is None else f"{math.exp(r.sample_nll):.3f}"
-    return (f"{r.policy:<10} {r.kv_dtype:<8} {r.sink_tokens:>5} {window:>7} {r.tokens:>7} "
+    return (f"{r.policy:<10} {r.weights:<7} {r.kv_dtype:<8} {r.sink_tokens:>5} {window:>7} {r.tokens:>7} "
             f"{r.nll:>8.4f} {r.ppl:>10.3f} {sample:>11} {r.seconds:>9.1f}  {r.note or ''}").rstrip()
 
 
-HEADER = (f"{'policy':<10} {'kv_dtype':<8} {'sink':>5} {'window':>7} {'tokens':>7} "
+HEADER = (f"{'policy':<10} {'weights':<7} {'kv_dtype':<8} {'sink':>5} {'window':>7} {'tokens':>7} "
           f"{'nll':>8} {'ppl':>10} {'sample_ppl':>11} {'seconds':>9}  note")
 
 
@@ -177,29 +182,35 @@ def add_parser(subparsers) -> None:
                    help=f"repeatable (or comma-separated): {', '.join(POLICIES)} (default: all)")
     p.add_argument("--kv-dtype", action="append", dest="kv_dtypes", metavar="KV_DTYPE",
                    help=f"KV storage, repeatable: {', '.join(KV_DTYPES)} (default auto)")
+    p.add_argument("--weights", action="append", dest="weights", metavar="WEIGHTS",
+                   help=f"weight format, repeatable: {', '.join(WEIGHTS)} (default: the model setting, bf16; "
+                        "auto reports the format it chose)")
     p.add_argument("--recompute-stride", type=int, default=61,
                    help="the oracle scores every Nth token only (default 61)")
     p.add_argument("--json", action="store_true", help="one JSON object per line per result")
-    settings.add_flags(p, ("model",))
+    settings.add_flags(p, ("model",), skip=("weights",))
     p.set_defaults(func=_cmd_eval)
 
 
 def _cmd_eval(args) -> int:
+    import dataclasses
+
     from streamchat import settings
     from streamchat.evaluate_policies import EvalSpec
     from streamchat.model.runner import load_model
 
-    policies, kv_dtypes = check_args(args)
-    text = read_text(args.text_file)
     config = settings.load(args)
-    loaded = load_model(config.model)
-    token_ids = tokenize(loaded.tokenizer, text, args.tokens)
+    policies, kv_dtypes, weights = check_args(args, config.model.weights)
+    text = read_text(args.text_file)
     spec = EvalSpec(args.sink_tokens, args.window_tokens, args.block_size, args.recompute_stride)
-    if not args.json:
-        print(f"{loaded.source.name} ({loaded.model.dtype}), {len(token_ids)} tokens of "
-              f"{args.text_file or DEFAULT_TEXT.name}; sink region {-(-spec.sink_tokens // spec.block_size)} "
-              f"block(s) of {spec.block_size}", flush=True)
-        print(HEADER, flush=True)
-    for r in evaluate(loaded, token_ids, spec, policies, kv_dtypes, progress=sys.stderr.isatty()):
-        print(json.dumps(r.to_json()) if args.json else format_row(r), flush=True)
+    for i, fmt in enumerate(weights):  # one model at a time
+        loaded = load_model(dataclasses.replace(config.model, weights=fmt))
+        token_ids = tokenize(loaded.tokenizer, text, args.tokens)
+        if i == 0 and not args.json:
+            print(f"{loaded.source.name} ({loaded.model.dtype}), {len(token_ids)} tokens of "
+                  f"{args.text_file or DEFAULT_TEXT.name}; sink region {-(-spec.sink_tokens // spec.block_size)} "
+                  f"block(s) of {spec.block_size}", flush=True)
+            print(HEADER, flush=True)
+        for r in evaluate(loaded, token_ids, spec, policies, kv_dtypes, progress=sys.stderr.isatty()):
+            print(json.dumps(r.to_json()) if args.json else format_row(r), flush=True)
     return 0

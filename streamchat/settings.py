@@ -24,6 +24,9 @@ ALIASES = {("model", "path"): "model", ("store", "url"): "database_url"}
 HELP = {
     "model": "model folder (Hugging Face, safetensors) or .gguf file; default: bundled SmolLM2-135M-Instruct",
     "dtype": "model dtype: auto (bf16 where the CPU/GPU has it), float32, bfloat16, float16",
+    "weights": "weight format: bf16 (dense in --dtype), int8 (per channel), int4 (groups of 32; a Q4_1 GGUF's "
+               "own blocks), auto (the fastest within 1%% perplexity of dense, measured once and cached); "
+               "int8/int4 run on CPU only",
     "database_url": "SQLAlchemy URL of the session store",
     "allowed_origins": "comma-separated Origin allow-list; empty: no Origin or the daemon's own; '*': any (unsafe)",
     "allowed_hosts": "comma-separated Host names accepted besides loopback ones when bound to loopback",
@@ -73,13 +76,16 @@ def _convert(value, typ, name: str):
         raise ConfigError(f"{name}: cannot read {value!r} as {getattr(typ, '__name__', typ)}") from None
 
 
-def add_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
-    """One flag per setting of the given sections, plus --config FILE."""
+def add_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(SECTIONS),
+              skip: tuple[str, ...] = ()) -> None:
+    """One flag per setting of the given sections (not those in `skip`), plus --config FILE."""
     parser.add_argument("--config", metavar="FILE", help="TOML file of settings ([model], [cache], ...)")
     for section in sections:
         group = parser.add_argument_group(f"{section} settings")
         for f in dataclasses.fields(SECTIONS[section]):
             flag = _flag_name(section, f.name)
+            if flag in skip:
+                continue
             group.add_argument("--" + flag.replace("_", "-"), dest=f"{section}.{f.name}", default=None,
                                metavar=flag.split("_")[-1].upper(),
                                help=f"{HELP.get(flag, '')} (env STREAMCHAT_{flag.upper()}; default {f.default!r})")

@@ -22,6 +22,8 @@ def run(argv, capsys):
     (["generate", "hi", "--window-tokens", "16"], "window_tokens (16) must hold at least two blocks"),
     (["generate", "hi", "--block-size", "12"], "block_size must be a power of two"),
     (["generate", "hi", "--dtype", "float8"], "dtype must be one of auto, float32, bfloat16, float16"),
+    (["generate", "hi", "--weights", "int3"], "weights must be one of auto, bf16, int8, int4; got 'int3'"),
+    (["generate", "hi", "--device", "cuda", "--weights", "int4"], "--weights int4 runs on CPU only"),
     (["generate", "hi", "--num-blocks", "abc"], "--num-blocks: cannot read 'abc' as int"),
     (["generate", "hi", "--max-tokens", "0"], "--max-tokens must be positive"),
     (["generate", "hi", "--temperature", "5"], "temperature must be in [0, 2]"),
@@ -77,6 +79,22 @@ def test_precedence_flag_over_env_over_toml(tmp_path):
     assert settings.load(args, {}).server.port == 1111
     cfg = settings.load(p.parse_args([]), {"STREAMCHAT_ALLOWED_ORIGINS": "http://a, http://b"})
     assert cfg.server.allowed_origins == ("http://a", "http://b")
+
+
+def test_weights_setting_and_eval_list():
+    """--weights / STREAMCHAT_WEIGHTS set ModelConfig.weights; `eval --weights` is its own repeatable list."""
+    import argparse
+
+    from streamchat.cli import build_parser
+    from streamchat.evaluate import check_args
+
+    p = argparse.ArgumentParser()
+    settings.add_flags(p, ("model",))
+    assert settings.load(p.parse_args(["--weights", "int4"]), {}).model.weights == "int4"
+    assert settings.load(p.parse_args([]), {"STREAMCHAT_WEIGHTS": "int8"}).model.weights == "int8"
+    args = build_parser().parse_args(["eval", "--weights", "int4", "--weights", "int8,bf16,int4"])
+    assert check_args(args)[2] == ["int4", "int8", "bf16"]
+    assert check_args(build_parser().parse_args(["eval"]), "auto")[2] == ["auto"]
 
 
 def test_bad_toml_is_a_config_error(tmp_path):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from streamchat import cli
-from streamchat.config import KV_DTYPES
+from streamchat.config import KV_DTYPES, WEIGHTS
 from streamchat.evaluate import DEFAULT_TEXT
 from streamchat.evaluate_policies import (EvalSpec, policy_cache, recompute_policy, recompute_targets,
                                           stream_nll, streamed_policy)
@@ -156,10 +156,10 @@ def test_cli_json_lines(capsys):
     assert rc == 0 and err == ""  # no progress bar when stderr is not a terminal
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["policy"] for r in rows] == ["full", "window", "sink", "recompute"]
-    common = {"policy", "kv_dtype", "sink_tokens", "window_tokens", "block_size", "tokens", "nll", "ppl",
-              "seconds"}
+    common = {"policy", "weights", "kv_dtype", "sink_tokens", "window_tokens", "block_size", "tokens", "nll",
+              "ppl", "seconds"}
     for r in rows:
-        assert common <= set(r) and r["kv_dtype"] == "auto" and r["block_size"] == 16
+        assert common <= set(r) and r["kv_dtype"] == "auto" and r["weights"] == "bf16" and r["block_size"] == 16
         assert r["ppl"] == pytest.approx(math.exp(r["nll"])) and r["seconds"] > 0
     full, window, sink, recompute = rows
     assert set(full) == common | {"sample_tokens", "sample_nll", "sample_ppl"}
@@ -184,6 +184,7 @@ def test_cli_json_lines(capsys):
     (["--window-tokens", "16"], "--window-tokens (16) must hold at least two blocks of 16 tokens"),
     (["--policy", "sink,lru"], "--policy: unknown 'lru'; choose from full, window, sink, recompute"),
     (["--kv-dtype", "int9"], f"--kv-dtype: unknown 'int9'; choose from {', '.join(KV_DTYPES)}"),
+    (["--weights", "int4,fp4"], f"--weights: unknown 'fp4'; choose from {', '.join(WEIGHTS)}"),
 ])
 def test_bad_inputs_fail_in_one_line(tmp_path, capsys, args, message):
     """Each bad input exits 2 with one line naming the problem, before the model loads."""

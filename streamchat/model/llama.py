@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from streamchat.model.attention import AttentionMetadata, Heads, LayerKV, attend, plan_step
+from streamchat.model.qlinear import Linear
+from streamchat.model.weights import LinearBuilder
 
 
 @dataclass(frozen=True)
@@ -41,13 +43,14 @@ class ModelShape:
 
 @dataclass
 class LayerWeights:
+    """Norm weights dense; projections in the served weight format (`qlinear`)."""
+
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # (q + 2 kv, hidden): q, k, v projections fused
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear  # hidden -> q + 2 kv: q, k, v projections fused (with their bias, if any)
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # (2 inter, hidden): gate and up fused
-    down: torch.Tensor
+    gate_up: Linear  # hidden -> 2 inter: gate and up fused
+    down: Linear
 
 
 def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
@@ -67,29 +70,32 @@ class LlamaModel:
     """Weights and the step function. `forward` is pure apart from the K/V it writes."""
 
     def __init__(self, config, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, backend) -> None:
+                 device: torch.device, backend, linears: LinearBuilder | None = None) -> None:
+        """`linears` makes the projections and the head (default: dense, as `state` holds them)."""
         self.config = config
         self.shape = ModelShape.from_hf(config)
         self.dtype, self.device, self.backend = dtype, device, backend
         w = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.final_norm = w["model.norm.weight"]
-        self.lm_head = w.get("lm_head.weight", self.embed)
-        self.layers = [self._layer(w, i) for i in range(self.shape.num_layers)]
+        make = linears or LinearBuilder("bf16")
+        self.lm_head = make.head(w, "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight")
+        self.layers = [self._layer(w, i, make) for i in range(self.shape.num_layers)]
         self.inv_freq, self.rope_scaling = rope_inv_freq(config)
         self._cos = self._sin = torch.empty(0, self.shape.head_dim)
         self.scale = self.shape.head_dim ** -0.5
 
     @staticmethod
-    def _layer(w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+    def _layer(w: dict[str, torch.Tensor], i: int, make: LinearBuilder) -> LayerWeights:
         p = f"model.layers.{i}."
-        qkv = torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
         bias = None
         if p + "self_attn.q_proj.bias" in w:
             bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-        gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-        return LayerWeights(w[p + "input_layernorm.weight"], qkv, bias, w[p + "self_attn.o_proj.weight"],
-                            w[p + "post_attention_layernorm.weight"], gate_up, w[p + "mlp.down_proj.weight"])
+        qkv = make.layer(w, [p + f"self_attn.{n}_proj.weight" for n in "qkv"], bias)
+        gate_up = make.layer(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        return LayerWeights(w[p + "input_layernorm.weight"], qkv, make.layer(w, [p + "self_attn.o_proj.weight"]),
+                            w[p + "post_attention_layernorm.weight"], gate_up,
+                            make.layer(w, [p + "mlp.down_proj.weight"]))
 
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (num_positions, head_dim) in float32, grown on demand."""
@@ -121,21 +127,21 @@ class LlamaModel:
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         for layer, kv in zip(self.layers, kv_caches):
             x = self.rms_norm(h, layer.input_norm)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(-1, s.num_heads, s.head_dim)  # (T, H, D), rotated per block inside attention
             k = k.view(-1, s.num_kv_heads, s.head_dim)  # (T, KVH, D), stored rotated by its block offset
             v = v.view(-1, s.num_kv_heads, s.head_dim)
             self.backend.write(kv, k, v, plan)
             o = attend(self.backend, q, kv, plan, self.scale)
-            h = h + F.linear(o.reshape(-1, q_size), layer.o)
+            h = h + layer.o(o.reshape(-1, q_size))
             x = self.rms_norm(h, layer.post_norm)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         if logits_idx is None:
             return None
         h = self.rms_norm(h[logits_idx], self.final_norm)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
 
 
 

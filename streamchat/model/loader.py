@@ -36,6 +36,7 @@ class ModelSource:
     name: str
     folder: Path  # a Hugging Face folder with config, tokenizer and safetensors
     fingerprint: str  # names the weights: part of every prefix-block hash
+    gguf: Path | None = None  # the GGUF the folder was converted from (its blocks serve --weights int4)
 
 
 def bundled_gguf() -> Path:
@@ -101,7 +102,7 @@ def _from_gguf(gguf: Path, cache: Path, name: str) -> ModelSource:
     if not (target / "config.json").is_file():
         log.info("converting %s once into %s", gguf.name, target)
         convert_gguf(gguf, target)
-    return dataclasses.replace(_from_folder(target), name=name)
+    return dataclasses.replace(_from_folder(target), name=name, gguf=gguf)
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -15,8 +16,10 @@ from streamchat.config import CacheConfig, ConfigError, ModelConfig
 from streamchat.model.batch import StepBatch
 from streamchat.kernels import quant
 from streamchat.model.attention import AttentionMetadata, DecodeGroup, LayerKV, PrefillGroup, make_backend
+from streamchat.model import weights_auto
 from streamchat.model.llama import LlamaModel, load_state
-from streamchat.model.loader import ModelLoadError, ModelSource, resolve
+from streamchat.model.loader import ModelLoadError, ModelSource, default_cache_dir, resolve
+from streamchat.model.weights import GGUF_INT4, LinearBuilder, check_device, served_source
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +52,20 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @dataclass
 class LoadedModel:
-    source: ModelSource
+    source: ModelSource  # its fingerprint names the weights as served (format included)
     hf_config: object
     tokenizer: object
     model: LlamaModel
+    weights: str = "bf16"  # the served weight format (auto resolved)
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
-    """Resolve, read and place the model the config names."""
+    """Resolve, read and place the model the config names, its weights in the configured format."""
     from transformers import AutoConfig, AutoTokenizer
 
-    source = resolve(cfg.path, cfg.cache_dir)
     device = pick_device(cfg.device)
+    check_device(cfg.weights, device)  # before anything slow
+    source = resolve(cfg.path, cfg.cache_dir)
     dtype = pick_dtype(cfg.dtype, device)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -72,9 +77,41 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if tokenizer.chat_template is None:
         raise ModelLoadError(f"{source.folder} has no chat template; streamchat serves chat models")
     backend = make_backend(cfg.attention_backend, device)
-    model = LlamaModel(hf_config, load_state(source.folder), dtype, device, backend)
-    log.info("loaded %s (%s, %s, %s attention)", source.name, dtype, device, backend.name)
-    return LoadedModel(source, hf_config, tokenizer, model)
+    state, raw = load_state(source.folder), _gguf_raw(source, hf_config, cfg.weights)
+
+    def build(weights: str) -> LoadedModel:
+        model = LlamaModel(hf_config, state, dtype, device, backend, LinearBuilder(weights, raw))
+        return LoadedModel(served_source(source, weights), hf_config, tokenizer, model, weights)
+
+    weights = cfg.weights
+    if weights == "auto":
+        weights = _auto(cfg, source, device, dtype, build, tokenizer)
+    loaded = build(weights)
+    log.info("loaded %s (%s, %s weights, %s, %s attention)", source.name, dtype, weights, device, backend.name)
+    return loaded
+
+
+def _gguf_raw(source: ModelSource, hf_config, weights: str):
+    """The GGUF's stored tensors when int4 may use its blocks; None otherwise."""
+    if source.gguf is None or weights not in ("int4", "auto"):
+        return None
+    from streamchat.model.gguf_raw import linear_weights
+
+    return linear_weights(source.gguf, source.folder, hf_config, GGUF_INT4)
+
+
+def _auto(cfg: ModelConfig, source: ModelSource, device, dtype, build, tokenizer) -> str:
+    """auto's format: cached beside the converted models, else measured on the shipped text."""
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    path = weights_auto.decision_path(cache_dir, source.fingerprint, device, dtype)
+
+    def measure():
+        from streamchat.evaluate import read_text, tokenize
+
+        token_ids = tokenize(tokenizer, read_text(None), weights_auto.AUTO_TOKENS)
+        return weights_auto.measure(build, token_ids)
+
+    return weights_auto.choose(path, device, measure)
 
 
 def num_blocks_for(cache: CacheConfig, bytes_per_token: int) -> int:

@@ -1,0 +1,178 @@
+"""Weight formats of the model's linear layers: dense, int8 per output channel, int4 in groups of 32.
+
+Owns how one weight matrix W (out_features N, in_features K) is stored and
+multiplied. Each format is a small class whose call returns x @ W.T (+ bias)
+in x's dtype. Dense and int8 are built from dense tensors; int4 from codes,
+scales and zeros (`Int4Codes`), which come from a dense tensor (asymmetric
+min/max groups of 32) or from GGUF 4-bit blocks decoded as they are (Q4_1:
+w = d * q + m, Q4_0: w = d * (q - 8)). Knows nothing about layers, files,
+configs or which format to choose.
+
+The CPU kernels are torch's packed weight-only matmuls (torch 2.13, checked
+numerically, see tests/model/test_qlinear.py):
+
+    _weight_int8pack_mm(x, q, scale)                 W[n, k] = q[n, k] * scale[n]
+        x (M, K); q int8 (N, K); scale (N,) in x's dtype
+    _convert_weight_to_int4pack_for_cpu(q, 1)        q int32 (N, K), values 0..15 -> uint8 (N, K/2)
+        in an opaque layout blocked by output channel (innerKTiles is ignored on CPU)
+    _weight_int4pack_mm_for_cpu(x, packed, 32, sz)   W[n, k] = (q[n, k] - 8) * sz[g, n, 0] + sz[g, n, 1]
+        x (M, K) 2-D; sz (K/32, N, 2) in x's dtype, g = k // 32; N % 16 == 0
+
+So Q4_1's (d, m) is (scale = d, zero = m + 8 d) and Q4_0's d is (d, 0):
+exact in float32 (d, m are float16; 8 d and the sum are exact in float32).
+Both kernels vectorize only bfloat16 activations on an AVX2 CPU: with float32
+or float16 they ran 10-20x slower than a dense float32 matmul (measured), so
+the quantized formats run in `compute_dtype`, bfloat16 by default, and cast
+back: the activations and the int4 scales and zeros are rounded to bfloat16.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 32  # int4 group size along in_features: Q4_0/Q4_1 blocks and the kernel's qGroupSize
+INT4_ROWS = 16  # the int4 packer wants out_features in multiples of this
+COMPUTE_DTYPE = torch.bfloat16
+
+
+class Linear(Protocol):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseLinear:
+    """W as it is, in the model's dtype: F.linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+
+def _finish(y: torch.Tensor, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """Kernel output (M, >= N) back to x's leading shape and dtype, plus the bias."""
+    y = y[:, :out_features].to(x.dtype).view(*x.shape[:-1], out_features)  # (..., N)
+    return y if bias is None else y + bias
+
+
+class Int8Linear:
+    """Symmetric int8 per output channel: W[n] = q[n] * scale[n], q in -127..127."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+        assert q.dtype == torch.int8 and q.dim() == 2 and scale.shape == (q.shape[0],)
+        self.q, self.scale = q.contiguous(), scale.to(compute_dtype)
+        self.bias, self.compute_dtype = bias, compute_dtype
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype = COMPUTE_DTYPE) -> "Int8Linear":
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (N,)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scale, bias, compute_dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(self.compute_dtype).contiguous()  # (M, K)
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)  # (M, N)
+        return _finish(y, x, self.q.shape[0], self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+
+class Int4Codes(NamedTuple):
+    """W[n, k] = (codes[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32], all float32 but codes."""
+
+    codes: torch.Tensor  # (N, K) uint8, 0..15
+    scale: torch.Tensor  # (N, K / 32)
+    zero: torch.Tensor  # (N, K / 32)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        q = self.codes.float().view(n, k // GROUP, GROUP)  # (N, G, 32)
+        return ((q - 8) * self.scale[..., None] + self.zero[..., None]).view(n, k)
+
+
+def cat_codes(parts: list[Int4Codes]) -> Int4Codes:
+    """Stack several matrices' codes along out_features (a fused projection)."""
+    return Int4Codes(*(torch.cat(t) for t in zip(*parts)))
+
+
+def minmax_codes(weight: torch.Tensor) -> Int4Codes:
+    """Asymmetric round-to-nearest per group of 32: the group's min and max are representable."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {k}")
+    w = weight.float().view(n, k // GROUP, GROUP)  # (N, G, 32)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    codes = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return Int4Codes(codes.view(n, k), scale, lo + 8 * scale)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """GGML 4-bit block payload (..., 16) bytes -> (..., 32) codes: low nibbles first, then high."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """Two little-endian bytes (..., 2) -> float32 (...) of the float16 they hold."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def q4_1_codes(raw: torch.Tensor) -> Int4Codes:
+    """GGUF Q4_1 rows (N, K/32 * 20) uint8 -> codes: block = d f16, m f16, 16 bytes of nibbles."""
+    n = raw.shape[0]
+    blocks = raw.view(n, -1, 20)  # (N, G, 20)
+    d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    codes = _nibbles(blocks[..., 4:]).reshape(n, -1)  # (N, K)
+    return Int4Codes(codes, d, m + 8 * d)
+
+
+def q4_0_codes(raw: torch.Tensor) -> Int4Codes:
+    """GGUF Q4_0 rows (N, K/32 * 18) uint8 -> codes: block = d f16, 16 bytes of nibbles, w = d (q - 8)."""
+    n = raw.shape[0]
+    blocks = raw.view(n, -1, 18)  # (N, G, 18)
+    d = _f16(blocks[..., 0:2])
+    codes = _nibbles(blocks[..., 2:]).reshape(n, -1)  # (N, K)
+    return Int4Codes(codes, d, torch.zeros_like(d))
+
+
+class Int4Linear:
+    """Asymmetric int4 in groups of 32 along in_features, packed for the CPU kernel."""
+
+    def __init__(self, c: Int4Codes, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+        n, k = c.codes.shape
+        if k % GROUP:
+            raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {k}")
+        pad = -n % INT4_ROWS  # zero rows, sliced off the output
+        codes = F.pad(c.codes.to(torch.int32), (0, 0, 0, pad))  # (N + pad, K)
+        sz = torch.stack([c.scale, c.zero], dim=-1)  # (N, G, 2)
+        sz = F.pad(sz, (0, 0, 0, 0, 0, pad)).transpose(0, 1)  # (G, N + pad, 2)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        self.scale_zero = sz.to(compute_dtype).contiguous()
+        self.out_features, self.bias, self.compute_dtype = n, bias, compute_dtype
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype = COMPUTE_DTYPE) -> "Int4Linear":
+        return cls(minmax_codes(weight), bias, compute_dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(self.compute_dtype).contiguous()  # (M, K)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scale_zero)  # (M, N + pad)
+        return _finish(y, x, self.out_features, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale_zero.nbytes

@@ -1,0 +1,100 @@
+"""What each `--weights` format means, tensor by tensor, and where it may run.
+
+Owns the rules that turn a format name into the model's linear layers
+(`LinearBuilder`), the device check, and the served fingerprint. The formats
+themselves live in `qlinear`; `auto`'s measured choice in `weights_auto`.
+
+    format  q/k/v, o, gate/up, down                       lm_head (tied: the embedding)
+    bf16    dense in the model's --dtype                  dense
+    int8    int8 per output channel                       int8 per output channel
+    int4    GGUF Q4_0/Q4_1 tensors: their own blocks,     int8 per output channel
+            exactly; anything else (F32, F16, Q8_0, K-quants, a Hugging Face folder):
+            min/max groups of 32 from the dense weight
+
+"bf16" is the issue's name for dense: the weights stay in whatever `--dtype`
+the model runs in (float32 on a CPU without bf16 instructions). The head is
+int8, not int4, under int4: the bundled GGUF stores the tied embedding as
+Q8_0, and 4 bits there cost more perplexity than all the layers together
+(measured, docs/bench.md). A GGUF block is used only if it decodes to exactly
+the converted folder's weight; otherwise (a naming or row-order surprise) the
+dense weight is quantized instead and a warning logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from streamchat.config import ConfigError
+from streamchat.model.gguf_raw import RawTensor
+from streamchat.model.qlinear import (COMPUTE_DTYPE, DenseLinear, Int4Codes, Int4Linear, Int8Linear, Linear,
+                                      cat_codes, minmax_codes, q4_0_codes, q4_1_codes)
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("bf16", "int8", "int4")  # what `auto` chooses among, densest first
+QUANTIZED = ("int8", "int4")
+GGUF_INT4 = {"Q4_1": q4_1_codes, "Q4_0": q4_0_codes}
+HEAD_FORMAT = {"bf16": "bf16", "int8": "int8", "int4": "int8"}
+
+
+def check_device(weights: str, device: torch.device) -> None:
+    """Quantized formats run torch's CPU kernels only; refuse them elsewhere before loading."""
+    if weights in QUANTIZED and device.type != "cpu":
+        raise ConfigError(f"--weights {weights} runs on CPU only (torch's packed CPU kernels); "
+                          f"on {device.type} use --weights bf16 (dense in --dtype) or auto")
+
+
+def served_fingerprint(fingerprint: str, weights: str) -> str:
+    """Names the weights as served: quantized K/V differ, so prefix blocks and KV files must too."""
+    return fingerprint if weights == "bf16" else f"{fingerprint}+{weights}"
+
+
+def served_source(source, weights: str):
+    return dataclasses.replace(source, fingerprint=served_fingerprint(source.fingerprint, weights))
+
+
+class LinearBuilder:
+    """Makes a LlamaModel's projections and head in one format.
+
+    `raw`: the GGUF's stored tensors under their converted names (int4 uses
+    4-bit blocks from it as they are); None for a Hugging Face folder.
+    `head`: the head's format when not HEAD_FORMAT's (tests pin exactness with it).
+    """
+
+    def __init__(self, weights: str, raw: dict[str, RawTensor] | None = None,
+                 compute_dtype: torch.dtype = COMPUTE_DTYPE, head: str | None = None) -> None:
+        for fmt in (weights, head or weights):
+            if fmt not in FORMATS:
+                raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
+        self.weights, self.raw, self.compute_dtype = weights, raw or {}, compute_dtype
+        self.head_format = head or HEAD_FORMAT[weights]
+
+    def layer(self, w: dict[str, torch.Tensor], names: list[str], bias: torch.Tensor | None = None) -> Linear:
+        """The projection of `names` fused along out_features, as `w` (dense, model dtype) holds them."""
+        return self._make(self.weights, w, names, bias)
+
+    def head(self, w: dict[str, torch.Tensor], name: str) -> Linear:
+        return self._make(self.head_format, w, [name], None)
+
+    def _make(self, fmt: str, w: dict[str, torch.Tensor], names: list[str], bias) -> Linear:
+        if fmt == "int4":
+            return Int4Linear(cat_codes([self._codes(w, n) for n in names]), bias, self.compute_dtype)
+        weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
+        if fmt == "int8":
+            return Int8Linear.quantize(weight, bias, self.compute_dtype)
+        return DenseLinear(weight, bias)
+
+    def _codes(self, w: dict[str, torch.Tensor], name: str) -> Int4Codes:
+        raw = self.raw.get(name)
+        decode = GGUF_INT4.get(raw.qtype) if raw is not None else None
+        if decode is None:
+            return minmax_codes(w[name])
+        codes = decode(raw.data)
+        if torch.equal(codes.dequantize().to(device=w[name].device, dtype=w[name].dtype), w[name]):
+            return codes
+        log.warning("%s: the GGUF's %s blocks do not decode to the converted weight; quantizing it instead",
+                    name, raw.qtype)
+        return minmax_codes(w[name])
