@@ -22,7 +22,7 @@ const ENDED = {cancelled: "stopped", incomplete: "cut short: max_output_tokens",
 const $ = (id) => document.getElementById(id);
 const state = {
   ws: null, session: null, fresh: null, resumeId: null, capacity: 0, messages: [], reply: null,
-  statsPending: false, statsTimer: null, retries: 0, nextId: 0, closeNote: null,
+  statsPending: false, statsAgain: false, statsTimer: null, retries: 0, nextId: 0, closeNote: null,
 };
 
 // -- storage -----------------------------------------------------------------------
@@ -303,13 +303,19 @@ function newSession() {
 // -- figures -----------------------------------------------------------------------
 
 function requestStats() {
-  if (!state.session || state.statsPending) return;
+  if (!state.session) return;
+  if (state.statsPending) {  // one at a time; ask again once it is answered
+    state.statsAgain = true;
+    return;
+  }
   state.statsPending = true;
+  state.statsAgain = false;
   send({type: "streamchat.session.stats"});
 }
 
 function showStats(s) {
   state.statsPending = false;
+  if (state.statsAgain) requestStats();
   $("stat-context").textContent = s.context_tokens;
   $("stat-capacity").textContent = state.capacity || "–";
   $("context-fill").max = state.capacity || 1;
