@@ -46,7 +46,7 @@ class Browser:
             time.sleep(0.1)
         args = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 "--no-first-run", "--disable-extensions", "--disable-background-networking",
-                "--window-size=1100,720", f"--user-data-dir={profile_dir}"]
+                "--window-size=1100,760", f"--user-data-dir={profile_dir}"]
         caps = {"browserName": "chrome", "goog:loggingPrefs": {"browser": "ALL"},
                 "goog:chromeOptions": {"binary": shutil.which("chromium"), "args": args}}
         self.session = self._call("POST", "/session", {"capabilities": {"alwaysMatch": caps}})["sessionId"]
@@ -162,7 +162,7 @@ def test_chat_streams_stops_and_resumes_after_a_reload(daemon, browser):
     browser.type("#temperature", "0")
     browser.type("#max_output_tokens", "24")
     browser.js(WATCH_GROWTH)
-    say(browser, "What is the capital of France?")
+    say(browser, "Hello! Who are you?")
     assert finished(browser) in ("completed", "incomplete")
     lengths = browser.js("return window.lengths")
     reply = browser.js(MESSAGES)[-1][1]
@@ -201,6 +201,7 @@ def test_chat_streams_stops_and_resumes_after_a_reload(daemon, browser):
     assert browser.console_errors() == []
 
     if os.environ.get("STREAMCHAT_WEB_SCREENSHOT"):
+        browser.js("document.querySelector('aside').scrollTop = 0")
         with open(os.environ["STREAMCHAT_WEB_SCREENSHOT"], "wb") as f:
             f.write(browser.screenshot())
 
