@@ -1,7 +1,7 @@
-"""The web chat page: the static files in streamchat/server/web/, answered to GET.
+"""The web chat page: the static files in streamchat/server/static/, answered to GET.
 
-    GET /                 -> web/index.html
-    GET /static/<name>    -> web/<name>, for the names shipped there and no other
+    GET /                 -> static/index.html
+    GET /static/<name>    -> static/<name>, for the names shipped there and no other
 
 Owns the file list, content types, caching and security headers. Knows
 nothing about sessions or the engine: the page speaks the Realtime protocol
@@ -37,9 +37,9 @@ _HOST = re.compile(r"^[A-Za-z0-9.\-]+(:\d{1,5})?$|^\[[0-9A-Fa-f:.]+\](:\d{1,5})?
 
 @functools.cache
 def _files() -> dict[str, tuple[bytes, str, str]]:
-    """name -> (body, content type, ETag) of every file shipped in web/, read once."""
+    """name -> (body, content type, ETag) of every file shipped in static/, read once."""
     found = {}
-    for entry in resources.files("streamchat.server").joinpath("web").iterdir():
+    for entry in resources.files("streamchat.server").joinpath("static").iterdir():
         suffix = "." + entry.name.rpartition(".")[2]
         if entry.is_file() and suffix in CONTENT_TYPES:
             body = entry.read_bytes()

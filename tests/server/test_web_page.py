@@ -205,3 +205,10 @@ def test_chat_streams_stops_and_resumes_after_a_reload(daemon, browser):
         with open(os.environ["STREAMCHAT_WEB_SCREENSHOT"], "wb") as f:
             f.write(browser.screenshot())
 
+
+    browser.click("#new-session")  # a new session, empty, with the system prompt carried over
+    browser.wait("return document.getElementById('status').textContent === 'system prompt set'")
+    new_id = browser.text("#session-id")
+    assert new_id.startswith("sess_") and new_id != session_id and browser.js(MESSAGES) == []
+    assert browser.js("return JSON.parse(localStorage.getItem('streamchat.session')).id") == new_id
+

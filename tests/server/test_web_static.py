@@ -11,7 +11,7 @@ from websockets.datastructures import Headers
 
 from streamchat.server import web
 
-WEB = resources.files("streamchat.server").joinpath("web")
+WEB = resources.files("streamchat.server").joinpath("static")
 TYPES = {"/": "text/html; charset=utf-8", "/static/app.js": "text/javascript; charset=utf-8",
          "/static/style.css": "text/css; charset=utf-8", "/static/icon.svg": "image/svg+xml"}
 NOT_SERVED = ["/static/nope.js", "/static/", "/static/../app.py", "/static/..%2fapp.py", "/static/%2e%2e/app.py",
@@ -57,7 +57,7 @@ def test_a_matching_etag_answers_304_without_a_body():
 
 
 def test_unknown_names_and_path_tricks_are_404():
-    """Only the exact names shipped in web/ are served; traversal, encodings and sub-paths are not."""
+    """Only the exact names shipped in static/ are served; traversal, encodings and sub-paths are not."""
     for path in NOT_SERVED:
         r = answer(path)
         assert (r.status_code, r.body) == (404, b"not found\n"), path
