@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.streamchat-installed
 
-.PHONY: serve test install bench clean
+.PHONY: serve test install browser bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,18 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/streamchat serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The web page's test drives a headless Chromium through chromedriver: Debian's
+# chromium and chromium-driver, installed with apt-get when missing (as root,
+# as in CI; a failed install fails). Elsewhere the test is skipped, and says so.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	else echo "chromium or chromedriver missing: the web page test will be skipped" \
+	  "(as root: apt-get install -y chromium chromium-driver)"; fi
 
 bench: $(STAMP)
 	$(BIN)/python bench/decode.py

@@ -25,6 +25,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Response
 
 from streamchat.config import Config
+from streamchat.server import web
 from streamchat.server.protocol import Limits
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,9 @@ class Daemon:
         refused = self._refuse_foreign(request.headers, url.path, connection.local_address[1])
         if refused is not None:
             return refused
+        page = web.respond(url.path, request.headers)
+        if page is not None:
+            return page
         if url.path == "/healthz":
             health = self.health()
             ok = health["status"] != "failed"
