@@ -44,6 +44,7 @@ class RestoreTranscript:
     session_id: str
     instructions: str
     messages: tuple[Message, ...]
+    admit: bool = False  # new work (a stateless request), not a rebuild: the daemon's pending limit applies
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,8 @@ class Engine:
         self.failed_steps = 0  # in a row; reset by a step that succeeds
         self._handlers = {
             api.OpenSession: lambda c: self.open_session(c.session_id, c.instructions),
-            api.RestoreTranscript: lambda c: self.restore_session(c.session_id, c.instructions, list(c.messages)),
+            api.RestoreTranscript: lambda c: self.restore_session(c.session_id, c.instructions, list(c.messages),
+                                                                  c.admit),
             api.RestoreSaved: lambda c: self.tiering.restore_saved(c.session_id, c.instructions,
                                                                    list(c.messages), c.snapshot),
             api.SetInstructions: lambda c: self.set_instructions(c.session_id, c.instructions),
@@ -107,22 +108,26 @@ class Engine:
             s.pending.append(Pending(prefix))
         self.sessions[session_id] = s
 
-    def restore_session(self, session_id: str, instructions: str, messages: list[api.Message]) -> int:
+    def restore_session(self, session_id: str, instructions: str, messages: list[api.Message],
+                        admit: bool = False) -> int:
         """Open a session from its transcript: (role, text, closed) per item, oldest first.
 
         The context becomes the system prompt plus the most recent tokens that
-        fit the window (the prefix cache serves the system prompt). Returns
-        the transcript's length in tokens.
+        fit the window (the prefix cache serves every full block an earlier
+        sequence shares with it). Returns the transcript's length in tokens.
+        `admit`: new work, refused `overloaded` past the daemon's pending limit.
         """
+        tokens = self.transcript_tokens(messages)
+        keep = tokens[max(0, len(tokens) - (self.manager.window_cap - self.cache_cfg.block_size)):]
+        if admit:
+            self._check_load(len(keep))
         self.open_session(session_id, instructions)
         s = self.sessions[session_id]
         self.tiering.changed(s)  # no saved copy of an earlier life of this session is current
-        tokens = self.transcript_tokens(messages)
         s.open_item = bool(messages) and not messages[-1][2]
         s.num_items = len(messages)
-        keep = self.manager.window_cap - self.cache_cfg.block_size
-        if tokens:
-            s.pending.append(Pending(tokens[-keep:]))
+        if keep:
+            s.pending.append(Pending(keep))
         return len(tokens)
 
     def transcript_tokens(self, messages: list[api.Message]) -> list[int]:
@@ -180,6 +185,10 @@ class Engine:
                               f"this session already has {s.queued_tokens} tokens waiting to enter the cache; "
                               f"at most {lim.max_pending_tokens_per_session} may wait; "
                               f"send more after conversation.item.done")
+        self._check_load(num_tokens)
+
+    def _check_load(self, num_tokens: int) -> None:
+        lim = self.sched_cfg
         total = sum(v.queued_tokens for v in self.sessions.values())
         if total + num_tokens > lim.max_pending_tokens:
             raise EngineError("overloaded", f"the daemon has {total} tokens waiting to enter the cache; "

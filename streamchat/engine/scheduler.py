@@ -114,7 +114,7 @@ class Scheduler:
         return not head.starts_response or s.response is None or s.response.phase is not Phase.QUEUED
 
     def _prefill_one(self, out: Scheduled, s: EngineSession, budget: int, sessions) -> int:
-        self._take_prefix(s)
+        self._take_prefix(out, s)
         tokens, finished, sample = self._collect(s, min(budget, self.manager.max_chunk))
         if tokens and not self._make_room(s, len(tokens), sessions, out.owners):
             return 0
@@ -146,15 +146,35 @@ class Scheduler:
                 break
         return tokens, finished, False
 
-    def _take_prefix(self, s: EngineSession) -> None:
-        """Serve the head of the queue from cached blocks where the pool has them."""
-        head = s.pending[0]
-        if not s.seq.pristine:
+    def _take_prefix(self, out: Scheduled, s: EngineSession) -> None:
+        """Serve the head of the queue from cached blocks where the pool has them.
+
+        The match runs across queued entries, up to the reply's prompt less its
+        last token (whose logits start the reply): a replayed conversation is
+        queued as its system prompt and then its transcript, and the blocks it
+        shares with an earlier request straddle the two.
+
+            queue:  [system prompt] [transcript .......] [reply prompt]
+            match:  |blk|blk|blk|blk|blk|blk|blk|blk|..    (full blocks, chained)
+        """
+        if not s.seq.pristine or s.seq.num_tokens % self.manager.block_size:
             return
-        upto = head.remaining - (1 if head.starts_response else 0)
-        taken = self.manager.match_prefix(s.seq, head.token_ids[head.done:head.done + upto])
-        head.done += taken
+        tokens: list[int] = []
+        for p in s.pending:
+            tokens += p.token_ids[p.done:]
+            if p.starts_response:
+                tokens.pop()
+                break
+        taken = self.manager.match_prefix(s.seq, tokens)
         s.total_tokens += taken  # held, though not computed
+        while taken:
+            head = s.pending[0]
+            step = min(taken, head.remaining)
+            head.done += step
+            taken -= step
+            if not head.remaining:
+                s.pending.popleft()
+                self._report(out, s, [head])
 
     def _report(self, out: Scheduled, s: EngineSession, finished: list[Pending]) -> None:
         out.tickets.extend((s, p.ticket) for p in finished if p.ticket is not None)

@@ -2,7 +2,8 @@
 
 Owns start-up (load the model, migrate the store, bind the port), the plain
 HTTP answers on the websocket port (/healthz, /metrics, 401, 403, 404, 405,
-503), saving idle sessions to disk now and then, and shutdown on
+503; the OpenAI HTTP API under /v1/ is `server.openai_http`, through the
+front in `server.http`), saving idle sessions to disk now and then, and shutdown on
 SIGTERM/SIGINT: stop accepting, end running responses (stored incomplete),
 close sockets with 1001, save every session's KV to disk, flush the store,
 exit 0.
@@ -26,6 +27,8 @@ from websockets.http11 import Response
 
 from streamchat.config import Config
 from streamchat.server import web
+from streamchat.server.http import HttpFront
+from streamchat.server.openai_http import OpenAIHttp
 from streamchat.server.protocol import Limits
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,8 @@ class Daemon:
         self.connections: set = set()
         self.exit_code = 0
         self.tasks: list[asyncio.Task] = []
+        self.started_at = time.time()
+        self.http = HttpFront(OpenAIHttp(self, REALTIME_PATH))  # /v1/ routes other than the websocket
 
     async def start(self) -> None:
         from streamchat.engine.async_engine import AsyncEngine
@@ -74,7 +79,7 @@ class Daemon:
         self.server = await serve(
             self.handle, s.host, s.port, process_request=self.process_request,
             max_size=s.max_frame_bytes, select_subprotocol=_select_subprotocol,
-            ping_interval=20, ping_timeout=20, close_timeout=5)
+            ping_interval=20, ping_timeout=20, close_timeout=5, create_connection=self.http.create_connection)
         self.port = self.server.sockets[0].getsockname()[1]
         snap = self.aengine.snapshot
         log.info("serving %s on ws://%s:%d%s (%d KV blocks of %d tokens)", self.model_name, s.host, self.port,
@@ -136,12 +141,19 @@ class Daemon:
             return _plain(http.HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n",
                           {"WWW-Authenticate": "Bearer"})
         model = parse_qs(url.query).get("model", [None])[0]
-        if model is not None and model != self.model_name:
+        if model is not None and not self.serves_model(model):
             return _plain(http.HTTPStatus.BAD_REQUEST, f"this daemon serves {self.model_name!r}, not {model!r}\n")
         if self.stopping.is_set() or len(self.connections) >= self.config.server.max_connections:
             return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "overloaded: too many connections; retry later\n",
                           {"Retry-After": "1"})
         return None
+
+    def served_models(self) -> list[str]:
+        """The model names clients may ask for (the Realtime `model` query, the HTTP API's `model`)."""
+        return [self.model_name]
+
+    def serves_model(self, name: str) -> bool:
+        return name in self.served_models()
 
     def _refuse_foreign(self, headers: Headers, path: str, port: int) -> Response | None:
         """403 for a request a web page on another site could have made.
@@ -248,6 +260,7 @@ class Daemon:
 
     async def _close_connections(self) -> None:
         self.server.close(close_connections=False)
+        await self.http.close()
         for conn in list(self.connections):
             await conn.cancel_quietly()
         for conn in list(self.connections):

@@ -207,11 +207,10 @@ class Connection:
         limit = self.cfg.max_output_tokens if max_tokens == "inf" else min(max_tokens, self.cfg.max_output_tokens)
         rid, item_id = ev.new_id("resp"), ev.new_id("item")
         await self.hub.store.add_item(s.id, item_id, "assistant", "response", "", "in_progress", 0)
-        stream = self.hub.engine.open_stream(rid)
         try:
-            await self.submit(api.StartResponse(s.id, rid, params, limit, e.stop or (), e.instructions))
+            stream = await self.hub.start_response(
+                api.StartResponse(s.id, rid, params, limit, e.stop or (), e.instructions))
         except BaseException:
-            self.hub.engine.close_stream(rid)
             await self._forget_item(s, item_id)
             raise
         s.response_id, s.response_owner = rid, self

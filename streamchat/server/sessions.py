@@ -147,6 +147,35 @@ class Hub:
                 ticket.set_result(0)
             raise
 
+    async def start_response(self, cmd: api.StartResponse) -> asyncio.Queue:
+        """Start a reply; the queue of its TextDelta events and its ResponseFinished.
+
+        The caller closes the stream (`engine.close_stream`) when it is done with it.
+        """
+        stream = self.engine.open_stream(cmd.response_id)
+        try:
+            await self.submit(cmd)
+        except BaseException:
+            self.engine.close_stream(cmd.response_id)
+            raise
+        return stream
+
+    @asynccontextmanager
+    async def ephemeral(self, instructions: str, messages: tuple[api.Message, ...]):
+        """A session for one stateless request (the HTTP API): built from the messages the
+        client sent, its id yielded, closed on exit. Never stored: the client holds the
+        conversation, and the prefix cache, not a transcript, makes its next request cheap.
+        Refused `overloaded` past the daemon's pending limit."""
+        session_id = new_id("http")
+        await self.submit(api.RestoreTranscript(session_id, instructions, messages, admit=True))
+        try:
+            yield session_id
+        finally:
+            try:
+                await self.submit(api.CloseSession(session_id))
+            except Exception:
+                log.exception("could not close the stateless session %s", session_id)
+
     async def rebuild(self, s: LiveSession) -> None:
         """The engine's copy of the session is not trusted: build it again from the store."""
         log.warning("session %s: rebuilding its context from the transcript", s.id)
