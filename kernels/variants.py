@@ -6,7 +6,7 @@ that is a multiple of 16 gets an alignment hint; parameters in the kernel's
 `do_not_specialize` get neither), every constexpr's value, and the launch
 options (num_warps). `launch_key` computes that key with Triton's own
 `native_specialize_impl`, so it works under TRITON_INTERPRET=1, where
-nothing is compiled, exactly as on a GPU. `Variants` wraps kernels in a
+nothing is compiled, exactly as on a GPU. `Variants` watches kernels of a
 module, lets their launches run, and counts the distinct keys: a test can
 prove a sequence of differently shaped steps compiles a bounded number of
 times, and bench/gpu_check.py prints the count next to the JIT cache's own.
@@ -51,37 +51,35 @@ def launch_key(kernel, args: tuple, kwargs: dict) -> tuple:
     return tuple(key) + options
 
 
-class _Counted:
-    def __init__(self, kernel, keys: set) -> None:
-        self.kernel, self.keys = kernel, keys
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.keys.add(launch_key(self.kernel, args, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 class Variants:
-    """`with Variants({module: [kernel names]}) as v:` launches run as usual; v.counts() after."""
+    """`with Variants({module: [kernel names]}) as v:` launches run as usual; v.counts() after.
+
+    Counts through the kernel objects themselves (an instance `run` that
+    records the key, then calls the class's): launchers keep calling the
+    same object, so `is_interpreted` and every other check still see it.
+    """
 
     def __init__(self, kernels: dict) -> None:
-        self.kernels = kernels
+        self.kernels = [(name, getattr(module, name)) for module, names in kernels.items() for name in names]
         self.keys: dict[str, set] = defaultdict(set)
-        self._saved: list[tuple[object, str, object]] = []
 
     def __enter__(self) -> "Variants":
-        for module, names in self.kernels.items():
-            for name in names:
-                kernel = getattr(module, name)
-                self._saved.append((module, name, kernel))
-                setattr(module, name, _Counted(kernel, self.keys[name]))
+        for name, kernel in self.kernels:
+            kernel.run = self._counting(kernel, self.keys[name])
         return self
 
+    @staticmethod
+    def _counting(kernel, keys: set):
+        run = type(kernel).run
+
+        def counted(*args, grid, warmup, **kwargs):
+            keys.add(launch_key(kernel, args, kwargs))
+            return run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+        return counted
+
     def __exit__(self, *exc) -> None:
-        for module, name, kernel in reversed(self._saved):
-            setattr(module, name, kernel)
-        self._saved.clear()
+        for _, kernel in self.kernels:
+            del kernel.run
 
     def counts(self) -> dict[str, int]:
-        return {name: len(keys) for name, keys in self.keys.items()}
+        return {name: len(self.keys[name]) for name, _ in self.kernels}
