@@ -123,7 +123,7 @@ def kernel_bandwidth(args, device, peak: float, figures: dict) -> None:
                     figures[f"kernel.{name}.b{batch}.c{context}.tile{tile}"] = {"us": sec * 1e6, "share": share}
                     line.append(f"tile {tile}: {sec * 1e6:9.1f} us {100 * share:5.1f}% of HBM")
                 print(f"  decode kernel {name:13s} batch {batch:3d} context {context:6d}: " + " | ".join(line))
-                del pool
+                pool = None  # free it before the next, larger one
 
 
 def random_model(shape, device, dtype, backend):
