@@ -46,7 +46,7 @@ class TritonBackend:
         if meta.decode is not None:
             g = meta.decode
             splits = plan_decode(g.seq_lens.shape[0], heads.num_heads, heads.num_kv_heads, heads.head_dim,
-                                 g.block_tables.shape[1], meta.block_size, g.seq_lens.device)
+                                 g.block_tables.shape[1], meta.block_size, g.seq_lens.device, dtype=dtype)
             decode = TritonDecode(g, splits, cos, sin)
         if meta.prefill is not None:
             prefill = TritonPrefill(meta.prefill, cos, sin)

@@ -55,7 +55,9 @@ MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallel
 MAX_SPLITS = 64
 
 
-@triton.jit
+# Step-shaped ints are not specialized (an int equal to 1 or a multiple of 16 would each
+# compile a variant): one compile serves every batch, table width and split count.
+@triton.jit(do_not_specialize=["tokens_per_split", "stride_table", "stride_stat_seq", "stride_stat_head"])
 def _decode_split_kernel(
     q_ptr, key_ptr, value_ptr, k_scale_ptr, v_scale_ptr, table_ptr, seq_lens_ptr, cos_ptr, sin_ptr,
     part_out_ptr, part_max_ptr, part_sum_ptr, qk_scale, tokens_per_split,
@@ -114,7 +116,8 @@ def _decode_split_kernel(
     tl.store(part_sum_ptr + stat, l_i, mask=g_mask)
 
 
-@triton.jit
+# As the split kernel; one compile per power of two of the split count (SPLITS_PAD, at most 7).
+@triton.jit(do_not_specialize=["num_splits", "stride_stat_seq", "stride_stat_head"])
 def _decode_reduce_kernel(
     part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, num_splits,
     stride_stat_seq, stride_stat_head, stride_out_seq, stride_out_head,
@@ -162,9 +165,21 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def tile_keys(block_size: int, block_n: int | None = None) -> int:
-    """Keys per tile: inside one block (16..64 of it), or whole blocks when blocks are under 16 tokens."""
-    block_n = block_n or max(16, min(64, block_size))
+WIDE_TILE = 64  # keys per tile for 16-bit queries (see tile_keys)
+
+
+def tile_keys(block_size: int, block_n: int | None = None, dtype: torch.dtype = torch.float32) -> int:
+    """Keys per tile: 64 for 16-bit queries (SUB = 64 / block_size blocks a tile for small blocks),
+    else inside one block (16..64 of it), or whole blocks when blocks are under 16 tokens.
+
+    ptxas (sm_90, Llama-8B head shape, 8 warps) fits a 64-key tile over 16-token blocks in 229
+    registers for bf16 (172 with an int8 pool), no spills; float32 spills 752 bytes, so fp32 models
+    keep one block a tile (90 registers).
+    """
+    if block_n is None:
+        wide = dtype in (torch.bfloat16, torch.float16) and (WIDE_TILE % block_size == 0
+                                                             or block_size % WIDE_TILE == 0)
+        block_n = WIDE_TILE if wide else max(16, min(64, block_size))
     assert block_n % block_size == 0 or block_size % block_n == 0, "a tile holds whole blocks or lies in one"
     return block_n
 
@@ -181,12 +196,13 @@ class DecodeSplits(NamedTuple):
 
 def plan_decode(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_blocks: int,
                 block_size: int, device: torch.device, num_splits: int | None = None,
-                block_n: int | None = None) -> DecodeSplits:
+                block_n: int | None = None, dtype: torch.dtype = torch.float32) -> DecodeSplits:
     """Splits and their buffers for a step of `num_seqs` sequences of at most max_blocks blocks.
 
-    num_splits and block_n override the plan (tests use them to force splits).
+    num_splits and block_n override the plan (tests use them to force splits); dtype is the
+    query's (it picks the tile, `tile_keys`).
     """
-    block_n = tile_keys(block_size, block_n)
+    block_n = tile_keys(block_size, block_n, dtype)
     max_tokens = max_blocks * block_size
     if num_splits is None:
         num_splits = plan_splits(num_seqs * num_kv_heads, max_tokens, num_sms(device))
@@ -217,7 +233,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     group = num_heads // num_kv_heads
     if splits is None:
         splits = plan_decode(num_seqs, num_heads, num_kv_heads, head_dim, block_tables.shape[1], block_size,
-                             q.device, num_splits, block_n)
+                             q.device, num_splits, block_n, q.dtype)
     part_out, part_max, part_sum = splits.part_out, splits.part_max, splits.part_sum
     assert part_out.shape[:2] == (num_seqs, num_heads) and part_out.shape[3] == head_dim
     num_splits = part_max.shape[2]

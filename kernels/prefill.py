@@ -64,7 +64,9 @@ def find_seq(cu_q_ptr, tile, num_seqs, BLOCK_M: tl.constexpr, SEQS_PAD: tl.const
     return seq, tl.sum(tl.where(b < seq, tiles, 0), axis=0)
 
 
-@triton.jit
+# Step-shaped ints are not specialized (an int equal to 1 or a multiple of 16 would each
+# compile a variant): one compile per power of two of the number of sequences (SEQS_PAD).
+@triton.jit(do_not_specialize=["num_seqs", "stride_table"])
 def _prefill_kernel(
     q_ptr, key_ptr, value_ptr, k_scale_ptr, v_scale_ptr, table_ptr, seq_lens_ptr, cu_q_ptr,
     cos_ptr, sin_ptr, out_ptr, qk_scale, num_seqs,
@@ -142,7 +144,9 @@ def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
     block_m = max(16, rows, g_pad) // g_pad  # >= 16 rows: tl.dot's smallest tile
-    block_n = block_n or max(16, min(64, block_size))
+    if block_n is None:  # 64 keys a tile (any block size: each key is rotated by its own block's start)
+        wide = q.dtype in (torch.bfloat16, torch.float16) and k_scale is None
+        block_n = 64 if wide else max(16, min(64, block_size))
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out

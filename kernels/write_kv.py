@@ -42,9 +42,14 @@ Q_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344
 
 @triton.jit
 def quantize(x, amax, Q_MAX: tl.constexpr, ROUND: tl.constexpr):
-    """x (KVH_PAD, C) float32 and its per-head max |x| (KVH_PAD,) -> (values to store, scales)."""
-    scale = tl.where(amax > 0, amax / Q_MAX, 1.0)
-    y = x / scale[:, None]
+    """x (KVH_PAD, C) float32 and its per-head max |x| (KVH_PAD,) -> (values to store, scales).
+
+    Both divisions round to nearest (div_rn): a GPU's default float32 `/` is
+    approximate (div.full, 2 ulp), and an int8 code sitting on a .5 boundary
+    would then differ from the reference's IEEE division.
+    """
+    scale = tl.where(amax > 0, tl.div_rn(amax, tl.full(amax.shape, Q_MAX, tl.float32)), 1.0)
+    y = tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     if ROUND:
         y = tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5))
     return tl.minimum(tl.maximum(y, -Q_MAX), Q_MAX), scale

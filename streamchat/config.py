@@ -37,6 +37,7 @@ class ModelConfig:
     # groups of 32 (a Q4_1 GGUF's own blocks), auto the fastest of them whose
     # perplexity is within 1% of dense (measured once, cached). See model/weights.py.
     weights: str = "bf16"
+    cuda_graphs: bool = True  # CUDA + Triton attention: decode steps replayed as CUDA graphs; ignored elsewhere
 
     def validate(self) -> None:
         _choice("dtype", self.dtype, DTYPES)

@@ -35,7 +35,8 @@ class LLM:
         """`tiers`: page idle sessions to host memory and (when `config.tiers.data_dir` is set) disk."""
         self.config = (config or Config()).validate()
         self.loaded = loaded or load_model(self.config.model)
-        self.runner = ModelRunner(self.loaded, self.config.cache)
+        self.runner = ModelRunner(self.loaded, self.config.cache, self.config.scheduler.max_running,
+                                  self.config.model.cuda_graphs)
         self.engine = Engine(self.runner, self.config.cache, self.config.scheduler,
                              tiers=self.config.tiers if tiers else None, data_dir=self.config.tiers.data_dir)
         self._ids = itertools.count()

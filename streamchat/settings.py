@@ -27,6 +27,8 @@ HELP = {
     "weights": "weight format: bf16 (dense in --dtype), int8 (per channel), int4 (groups of 32; a Q4_1 GGUF's "
                "own blocks), auto (the fastest within 1%% perplexity of dense, measured once and cached); "
                "int8/int4 run on CPU only",
+    "cuda_graphs": "replay decode steps as one CUDA graph per batch-size bucket (CUDA with Triton attention "
+                   "only; ignored elsewhere); false: launch every kernel eagerly",
     "database_url": "SQLAlchemy URL of the session store",
     "allowed_origins": "comma-separated Origin allow-list; empty: no Origin or the daemon's own; '*': any (unsafe)",
     "allowed_hosts": "comma-separated Host names accepted besides loopback ones when bound to loopback",

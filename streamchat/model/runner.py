@@ -19,6 +19,7 @@ from streamchat.model.attention import AttentionMetadata, DecodeGroup, LayerKV, 
 from streamchat.model import weights_auto
 from streamchat.model.llama import LlamaModel, load_state
 from streamchat.model.loader import ModelLoadError, ModelSource, default_cache_dir, resolve
+from streamchat.model.static_decode import StaticDecode
 from streamchat.model.weights import GGUF_INT4, LinearBuilder, check_device, served_source
 
 log = logging.getLogger(__name__)
@@ -121,9 +122,13 @@ def num_blocks_for(cache: CacheConfig, bytes_per_token: int) -> int:
 
 
 class ModelRunner:
-    """Owns the per-layer pool tensors (num_blocks, block_size, kv_heads, head_dim)."""
+    """Owns the per-layer pool tensors (num_blocks, block_size, kv_heads, head_dim) and the static
+    decode inputs (`StaticDecode`: replayed as CUDA graphs on CUDA with the Triton backend)."""
 
-    def __init__(self, loaded: LoadedModel, cache: CacheConfig) -> None:
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig, max_batch: int = 64,
+                 cuda_graphs: bool = True) -> None:
+        """max_batch: the most decode rows the static buffers (and the largest graph) hold; bigger
+        steps, and steps with prefill, take the plain path. cuda_graphs: off, or ignored off CUDA."""
         self.loaded = loaded
         self.model = loaded.model
         s = self.model.shape
@@ -135,6 +140,9 @@ class ModelRunner:
                                                      s.num_kv_heads, s.head_dim)
         self.num_blocks = num_blocks_for(cache, self.bytes_per_token)
         self.kv_caches = [self._layer_pool(cache.kv_dtype) for _ in range(s.num_layers)]
+        graphs = cuda_graphs and self.model.device.type == "cuda" and self.model.backend.name == "triton"
+        self.static = StaticDecode(self.model, self.kv_caches, self.block_size, max_batch,
+                                   cache.max_blocks_per_session(), graphs)
 
     def _layer_pool(self, kv_dtype: str) -> LayerKV:
         s, dev = self.model.shape, self.model.device
@@ -156,7 +164,13 @@ class ModelRunner:
         return self.bytes_per_token * self.block_size
 
     def execute(self, batch: StepBatch) -> torch.Tensor | None:
-        """Run one step; float32 logits (N, vocab) for the chunks that want them, in order."""
+        """Run one step; float32 logits (N, vocab) for the chunks that want them, in order.
+
+        Decode-only steps go through the static buffers; their logits (a graph's output on CUDA) are
+        valid until the next step.
+        """
+        if self.static.fits(batch):
+            return self.static.run(batch)
         ids, positions, meta, logits_idx = self.prepare(batch)
         return self.model.forward(ids, positions, meta, self.kv_caches, logits_idx)
 

@@ -94,7 +94,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     tokens, corrupt = _greedy(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy and not corrupt[i]]
     if rows:
-        x = logits[rows].float().cpu()  # (S, vocab); generators are CPU generators
+        x = logits[rows].float()  # (S, vocab), left on its device: only the drawn ids come back
         drawn = _draw(_probs(x, [params[i] for i in rows]), [generators[i] for i in rows])
         for i, token in zip(rows, drawn):
             tokens[i] = token
@@ -116,7 +116,7 @@ def _greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
 
 def _probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """(S, vocab) float32 logits, each row with a finite max and no NaN or +inf -> probabilities."""
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=x.device)
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]  # every value <= 0 or -inf
     filtered = [i for i, p in enumerate(params) if p.top_k or p.top_p < 1.0]
     if filtered:
@@ -131,8 +131,8 @@ def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     likely first, whose probability reaches top_p.
     """
     vocab = x.shape[-1]
-    k = torch.tensor([min(p.top_k, vocab) if p.top_k else vocab for p in params])
-    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params])
+    k = torch.tensor([min(p.top_k, vocab) if p.top_k else vocab for p in params], device=x.device)
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params], device=x.device)
     sorted_x, order = x.sort(dim=-1, descending=True, stable=True)  # (F, vocab)
     kth = sorted_x.gather(1, (k - 1)[:, None])  # (F, 1)
     sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
@@ -152,6 +152,16 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list
         for i, token in zip(unseeded, torch.multinomial(probs[unseeded], 1).flatten().tolist()):
             tokens[i] = token
     for i, gen in enumerate(generators):
-        if gen is not None:
+        if gen is not None and probs.device.type == "cpu":
             tokens[i] = int(torch.multinomial(probs[i], 1, generator=gen).item())
+        elif gen is not None:
+            tokens[i] = draw_inverse(probs[i], gen)
     return tokens
+
+
+def draw_inverse(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a (vocab,) row on any device, by one uniform from a CPU generator: the first
+    token whose cumulative probability passes it. A token of probability 0 is never drawn."""
+    u = torch.rand((), generator=generator, dtype=torch.float64).item()  # in [0, 1)
+    cdf = probs.double().cumsum(0)
+    return int(torch.searchsorted(cdf, cdf[-1:] * u, right=True).clamp_(max=probs.shape[0] - 1).item())

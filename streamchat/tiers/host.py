@@ -29,21 +29,56 @@ class HostEntry:
     block_hashes: list[int]  # prefix hashes of the leading full blocks (pristine only)
 
 
-def copy_blocks(src_caches, src_ids: list[int], dst_caches, dst_ids: list[int]) -> None:
-    """Copy blocks between two pools of the same layout (on any devices)."""
+def copy_blocks(src_caches, src_ids: list[int], dst_caches, dst_ids: list[int], stream=None) -> None:
+    """Copy blocks between two pools of the same layout (on any devices).
+
+    `stream`: a CUDA side stream (the host tier's) for copies between host
+    and device. It first waits for the work queued on the current stream
+    (the blocks' last writes); copies go through pinned staging buffers,
+    non_blocking; and it is waited for before the copied data is used: by
+    the host (synchronize) after a copy down, by the current stream
+    (wait_stream, no host block) after a copy up. None: plain copies, as on CPU.
+    """
     if not src_ids:
         return
-    for src, dst in zip(src_caches, dst_caches):
-        si = torch.tensor(src_ids, dtype=torch.long, device=src.key.device)
-        di = torch.tensor(dst_ids, dtype=torch.long, device=dst.key.device)
-        for s, d in zip(src, dst):
-            if s is not None:
-                d.index_copy_(0, di, s.index_select(0, si).to(d.device))
+    if stream is None:
+        for src, dst in zip(src_caches, dst_caches):
+            si = torch.tensor(src_ids, dtype=torch.long, device=src.key.device)
+            di = torch.tensor(dst_ids, dtype=torch.long, device=dst.key.device)
+            for s, d in zip(src, dst):
+                if s is not None:
+                    d.index_copy_(0, di, s.index_select(0, si).to(d.device))
+        return
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    landed = []  # copies down: (host pool tensor, host ids, staged rows), placed once the stream is done
+    with torch.cuda.stream(stream):
+        for src, dst in zip(src_caches, dst_caches):
+            si = torch.tensor(src_ids, dtype=torch.long).to(src.key.device)
+            di = torch.tensor(dst_ids, dtype=torch.long).to(dst.key.device)
+            for s, d in zip(src, dst):
+                if s is None:
+                    continue
+                staged = torch.empty((len(src_ids), *s.shape[1:]), dtype=s.dtype, pin_memory=True)
+                if s.is_cuda:
+                    staged.copy_(s.index_select(0, si), non_blocking=True)
+                    landed.append((d, di, staged))
+                else:
+                    torch.index_select(s, 0, si, out=staged)
+                    d.index_copy_(0, di, staged.to(d.device, non_blocking=True))
+    if landed:
+        stream.synchronize()
+        for d, di, staged in landed:
+            d.index_copy_(0, di, staged)
+    else:
+        current.wait_stream(stream)
 
 
 class HostTier:
     def __init__(self, device_caches, num_blocks: int, block_size: int) -> None:
-        pin = device_caches[0].key.device.type == "cuda"
+        device = device_caches[0].key.device
+        pin = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if pin else None  # side stream of copies (copy_blocks)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks + 1)  # + the null block
         self.caches = [LayerKV(*(None if t is None else
@@ -79,7 +114,7 @@ class HostTier:
                 if idx < len(block_hashes):
                     self.pool.register(block_id, block_hashes[idx], tuple(state.token_ids[idx * bs:(idx + 1) * bs]))
             ids.append(block_id)
-        copy_blocks(device_caches, src, self.caches, dst)
+        copy_blocks(device_caches, src, self.caches, dst, self.stream)
         entry = HostEntry(session, ids, state, list(block_hashes))
         self.entries[session.session_id] = entry
         return entry

@@ -115,7 +115,7 @@ class Pager:
             # out of the host's LRU while it comes up: making room may push others to the host
             entry = self.host.entries.pop(s.session_id)
             seq = self.to_device(entry.state, lambda rows, ids: copy_blocks(
-                self.host.caches, [entry.block_ids[r] for r in rows], self.kv, ids), make_free)
+                self.host.caches, [entry.block_ids[r] for r in rows], self.kv, ids, self.host.stream), make_free)
             if seq is None:
                 self.host.entries[s.session_id] = entry
                 self.host.entries.move_to_end(s.session_id, last=False)

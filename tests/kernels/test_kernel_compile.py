@@ -84,13 +84,20 @@ def main() -> None:
             compiled = triton.compile(ASTSource(recorder.fn, sig, const), target=GPUTarget("cuda", 90, 32),
                                       options=dict(num_warps=num_warps))
             assert compiled.asm["cubin"], name
+            if name == "_write_kv_kernel" and kwargs["QUANT"]:  # quantizing divides exactly, as torch does
+                ptx = compiled.asm["ptx"]
+                assert "div.rn.f32" in ptx and "div.full.f32" not in ptx and "div.approx" not in ptx, name
     print("compiled")
 
 
 def test_kernels_compile_for_sm90():
-    """Every launch the launchers make (bf16, int8 and fp32 pools) compiles to an sm_90 cubin."""
+    """Every launch the launchers make (bf16, int8 and fp32 pools) compiles to an sm_90 cubin; the int8
+    write's divisions are IEEE round-to-nearest (div.rn), not the GPU's default approximate division."""
     pytest.importorskip("triton.backends.nvidia")
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # the subprocess imports this checkout's package, as pytest does (its sys.path[0] is tests/kernels)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=path)
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
 
