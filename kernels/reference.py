@@ -11,7 +11,8 @@ Layouts (every function here shares them with its kernel in this package):
     cos, sin               : (max_pos, head_dim) float32, rotate-half layout
                              (the halves repeat), indexed by a position or a
                              difference of positions (never negative)
-    k_scale, v_scale       : None for an unquantized pool; else its scales (see quant.py)
+    k_scale, v_scale       : None for an unquantized pool; else its scales (see quant.py;
+                             int4 keys: (num_blocks, num_kv_heads, head_dim), per channel)
 
 Queries and keys arrive unrotated. A key at table index i, offset o has cache
 position i * block_size + o and is stored as R(o) k. RoPE is a rotation, so a
@@ -143,10 +144,32 @@ def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
         _flat(key_cache)[slot_mapping] = key.to(key_cache.dtype)
         _flat(value_cache)[slot_mapping] = value.to(value_cache.dtype)
         return
-    for x, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+    pairs = ((key, key_cache, k_scale), (value, value_cache, v_scale))
+    if quant.per_channel(key_cache, k_scale):  # int4 keys: a scale per channel per block
+        requantize_blocks(key_cache, k_scale, key, slot_mapping)
+        pairs = pairs[1:]
+    for x, cache, scale in pairs:
         stored, scales = quant.quantize(x, cache.dtype)
         _flat(cache)[slot_mapping] = stored
         _flat(scale)[slot_mapping] = scales
+
+
+def requantize_blocks(key_cache: torch.Tensor, k_scale: torch.Tensor, key: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write rotated keys (T, KVH, D) into int4 blocks with per-channel scales, re-quantizing each
+    block written under the max over its filled rows (offsets 0 .. the last one written).
+
+    A table fills its blocks in order, so a block's rows before its first new one are its
+    tokens so far; rows after its last are stale and ignored.
+    """
+    bs = key_cache.shape[1]
+    blocks, offsets = slot_mapping // bs, slot_mapping % bs
+    touched, which = torch.unique(blocks, return_inverse=True)  # (U,), (T,)
+    x = quant.dequantize_channels(key_cache[touched], k_scale[touched], torch.float32)  # (U, bs, KVH, D)
+    x[which, offsets] = key
+    last = torch.full_like(touched, -1).scatter_reduce_(0, which, offsets, "amax")
+    filled = torch.arange(bs, device=key.device) <= last[:, None]  # (U, bs)
+    key_cache[touched], k_scale[touched] = quant.quantize_channels(x, filled)
 
 
 def gather_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -159,7 +182,17 @@ def gather_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids:
 
 def gather_rows(cache: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor, dtype: torch.dtype,
                 workspace: Workspace | None = None, name: str = "rows") -> torch.Tensor:
-    """Rows of a pool viewed as (num_blocks * block_size * KVH, width), dequantized to `dtype`: (R, D)."""
+    """Rows of a pool viewed as (num_blocks * block_size * KVH, width), dequantized to `dtype`: (R, D).
+
+    With per-channel (int4 key) scales, `rows` must come in runs of one block's
+    block_size offsets of one head, as `decode_plan` orders them.
+    """
+    if quant.per_channel(cache, scale):
+        bs, kvh = cache.shape[1], cache.shape[2]
+        x = torch.index_select(cache.view(-1, cache.shape[-1]), 0, rows)
+        first = rows.view(-1, bs)[:, 0]  # each run's offset-0 row: (block * bs) * KVH + head
+        run_scale = scale.view(-1, scale.shape[-1]).index_select(0, first // (bs * kvh) * kvh + first % kvh)
+        return quant.dequantize_channels(x.view(-1, bs, x.shape[-1]), run_scale, dtype).view(rows.shape[0], -1)
     rows_scale = None if scale is None else scale.view(-1, *scale.shape[3:])
     return _gather(cache.view(-1, cache.shape[-1]), rows_scale, rows, dtype, workspace, name)
 
@@ -171,6 +204,8 @@ def _gather(pool: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor,
     x = torch.index_select(pool, 0, index, out=scratch(workspace, name, shape, pool.dtype, pool.device))
     if scale is None:
         return x
+    if quant.per_channel(pool, scale):  # int4 keys of whole blocks: (N, bs, KVH, D // 2), a scale per channel
+        return quant.dequantize_channels(x, scale.index_select(0, index), dtype)
     out = None
     if x.dtype != torch.uint8:  # int8/fp8 dequantize in place of a temporary; int4 unpacks (new tensor)
         out = scratch(workspace, name + ".dequantized", shape, dtype, pool.device)

@@ -132,7 +132,7 @@ class ModelRunner:
         if cache.kv_dtype == "int4" and self.model.backend.name != "torch":
             raise ConfigError("--kv-dtype int4 runs on the torch attention backend only")
         self.bytes_per_token = quant.bytes_per_token(cache.kv_dtype, self.model.dtype, s.num_layers,
-                                                     s.num_kv_heads, s.head_dim)
+                                                     s.num_kv_heads, s.head_dim, cache.block_size)
         self.num_blocks = num_blocks_for(cache, self.bytes_per_token)
         self.kv_caches = [self._layer_pool(cache.kv_dtype) for _ in range(s.num_layers)]
 
@@ -145,11 +145,11 @@ class ModelRunner:
         storage = quant.STORAGE[kv_dtype]
         width = quant.storage_head_dim(kv_dtype, s.head_dim)
         scale_dtype = torch.float16 if kv_dtype == "int4" else torch.float32
-        scale_shape = (*lead, *quant.scale_shape(kv_dtype, s.head_dim))
+        k_shape, v_shape = quant.scale_shapes(kv_dtype, self.block_size, s.num_kv_heads, s.head_dim)
         return LayerKV(torch.zeros(*lead, width, dtype=storage, device=dev),
                        torch.zeros(*lead, width, dtype=storage, device=dev),
-                       torch.ones(scale_shape, dtype=scale_dtype, device=dev),
-                       torch.ones(scale_shape, dtype=scale_dtype, device=dev))
+                       torch.ones(self.num_blocks, *k_shape, dtype=scale_dtype, device=dev),
+                       torch.ones(self.num_blocks, *v_shape, dtype=scale_dtype, device=dev))
 
     @property
     def bytes_per_block(self) -> int:

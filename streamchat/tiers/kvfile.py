@@ -8,13 +8,15 @@ table order, plus the state that goes with them) and hands one back.
     file  = safetensors: u64 header length | JSON header | tensor bytes
     tensors   key.{layer}, value.{layer}        (num_blocks, block_size, kv_heads, head_dim*)
               k_scale.{layer}, v_scale.{layer}  scales, only for --kv-dtype int8 / fp8 / int4
+                                                (int4 keys: (num_blocks, kv_heads, head_dim), one
+                                                scale per channel per block; see kernels/quant.py)
               row i is the session's block i: cache positions i*block_size .. +block_size-1
               (* head_dim / 2 for int4: two values a byte)
     metadata  "streamchat": the header below, JSON
               "checksum":   "blake2b-128:" + hex over the header JSON and, by name, each
                             tensor's name, dtype, shape and bytes
 
-    header    format "streamchat.kv", version 2, session_id, written_at (unix s),
+    header    format "streamchat.kv", version 3, session_id, written_at (unix s),
               transcript_mark (what the store held when it was written; null if unknown),
               layout: model_fingerprint, model_dtype, kv_dtype, block_size, sink_tokens,
                       window_tokens, pin_system_prompt, num_layers, num_kv_heads, head_dim
@@ -24,9 +26,9 @@ table order, plus the state that goes with them) and hands one back.
 
 Each key is stored rotated by its offset in its block (0..block_size-1), never
 by its cache position, so the blocks may go back into any physical blocks, in
-this order. Version 1 files held keys before rotary embedding: refused with
-reason "version" (the session is rebuilt from its transcript, as for any file
-that cannot be used).
+this order. Older versions are refused with reason "version" (the session is
+rebuilt from its transcript, as for any file that cannot be used): version 1
+held keys before rotary embedding, version 2 int4 key scales per token.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from pathlib import Path
 import torch
 
 FORMAT = "streamchat.kv"
-VERSION = 2  # 2: keys rotated by their offset in their block; 1: keys before rotary embedding
+VERSION = 3  # 3: int4 key scales per channel per block; 2: keys rotated by their offset in their
+#              block; 1: keys before rotary embedding
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
 FIELDS = ("key", "value", "k_scale", "v_scale")  # LayerKV order
@@ -149,10 +152,10 @@ def expected_tensors(layout: KVLayout) -> dict[str, tuple[torch.dtype, tuple[int
     else:
         width = quant.storage_head_dim(layout.kv_dtype, layout.head_dim)
         storage = quant.STORAGE[layout.kv_dtype]
-        scale = (torch.float16 if layout.kv_dtype == "int4" else torch.float32,
-                 (*lead, *quant.scale_shape(layout.kv_dtype, layout.head_dim)))
+        scale_dtype = torch.float16 if layout.kv_dtype == "int4" else torch.float32
+        k_shape, v_shape = quant.scale_shapes(layout.kv_dtype, *lead, layout.head_dim)
         kinds = {"key": (storage, (*lead, width)), "value": (storage, (*lead, width)),
-                 "k_scale": scale, "v_scale": scale}
+                 "k_scale": (scale_dtype, k_shape), "v_scale": (scale_dtype, v_shape)}
     return {f"{name}.{layer}": spec for layer in range(layout.num_layers) for name, spec in kinds.items()}
 
 
