@@ -137,3 +137,26 @@ def test_int4_key_scale_grows_with_later_tokens_and_ignores_stale_rows():
     reference.write_kv(*pool, larger, larger, torch.tensor([17]), cos, sin, *scales)
     got = stored_keys(pool, scales, 1)[:2]
     assert torch.allclose(got, torch.cat([small, larger]), atol=2.0 / 14 + 1e-3)
+
+
+def test_prefill_and_decode_read_int4_blocks_as_their_dequantized_values():
+    """Prefill and decode over an int4 pool (packed to head_dim / 2, per-channel key scales) equal the same
+    attention over a float pool holding the dequantized keys and values."""
+    nb, bs, kvh, d, h = 4, 16, 3, 64, 9
+    k, v = keys(40, kvh, d, 3), keys(40, kvh, d, 4)
+    t = torch.arange(64, dtype=torch.float32)
+    freqs = torch.outer(t, 1.0 / (10000 ** (torch.arange(0, d, 2) / d)))
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    (qk, qv), (ks, vs), _, _ = int4_pool(nb, bs, kvh, d)
+    reference.write_kv(qk, qv, k, v, torch.arange(16, 56), cos, sin, ks, vs)
+    fk = quant.dequantize_channels(qk, ks, torch.float32)  # as stored: rotated by block offset
+    fv = quant.dequantize(qv, vs, torch.float32)
+    q = torch.randn(40, h, d, generator=torch.Generator().manual_seed(9))
+    tables, lens = torch.tensor([[1, 2, 3]], dtype=torch.int32), torch.tensor([40], dtype=torch.int32)
+    args = (tables, lens, torch.tensor([0, 40], dtype=torch.int32), cos, sin, d ** -0.5)
+    want = reference.paged_prefill_attention(q, fk, fv, *args)
+    got = reference.paged_prefill_attention(q, qk, qv, *args, ks, vs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    want = reference.paged_decode_attention(q[-1:], fk, fv, tables, lens, cos, sin, d ** -0.5)
+    got = reference.paged_decode_attention(q[-1:], qk, qv, tables, lens, cos, sin, d ** -0.5, ks, vs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
