@@ -160,6 +160,19 @@ class ModelRunner:
         ids, positions, meta, logits_idx = self.prepare(batch)
         return self.model.forward(ids, positions, meta, self.kv_caches, logits_idx)
 
+    def execute_with_mass(self, batch: StepBatch) -> tuple[torch.Tensor | None, list[list[float]]]:
+        """`execute`, and each chunk's attention mass per table index (the h2o scores' input):
+        probabilities summed over heads, layers and the chunk's queries, divided by heads x layers,
+        so each query token adds 1 in all. Torch attention backend only."""
+        ids, positions, meta, logits_idx = self.prepare(batch)
+        chunks = batch.chunks()
+        width = max(len(c.block_ids) for c in chunks)
+        mass = torch.zeros(len(chunks), width, dtype=torch.float32, device=self.model.device)
+        logits = self.model.forward(ids, positions, meta, self.kv_caches, logits_idx, mass)
+        s = self.model.shape
+        rows = mass.div_(s.num_heads * s.num_layers).tolist()
+        return logits, [row[:len(c.block_ids)] for row, c in zip(rows, chunks)]
+
     def prepare(self, batch: StepBatch):
         dev = self.model.device
         chunks = batch.chunks()

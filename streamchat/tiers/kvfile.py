@@ -22,7 +22,8 @@ table order, plus the state that goes with them) and hands one back.
                       window_tokens, pin_system_prompt, num_layers, num_kv_heads, head_dim
               state:  token_ids (cache order: token i sits at cache position i),
                       num_sink_blocks, pinned_tokens, pristine, evicted_tokens,
-                      total_tokens, cached_tokens, queried_tokens
+                      total_tokens, cached_tokens, queried_tokens, eviction,
+                      block_scores (h2o: attention mass per block, table order)
 
 Each key is stored rotated by its offset in its block (0..block_size-1), never
 by its cache position, so the blocks may go back into any physical blocks, in
@@ -100,6 +101,8 @@ class SeqState:
     total_tokens: int = 0
     cached_tokens: int = 0
     queried_tokens: int = 0
+    eviction: str = "sink_window"
+    block_scores: list[float] = field(default_factory=list)  # empty: all zero
 
     def num_blocks(self, block_size: int) -> int:
         return -(-len(self.token_ids) // block_size)
@@ -279,10 +282,15 @@ def check_header(header: dict, layout: KVLayout, session_id: str, mark=ANY_MARK)
 def _check_state(state: SeqState, layout: KVLayout) -> None:
     bs = layout.block_size
     tokens = state.token_ids
+    kinds = {"pristine": bool, "eviction": str}
     for f in dataclasses.fields(state):
         value = getattr(state, f.name)
-        if f.name != "token_ids" and type(value) is not (bool if f.name == "pristine" else int):
+        if f.name not in ("token_ids", "block_scores") and type(value) is not kinds.get(f.name, int):
             raise KVFileError("inconsistent", f"{f.name} is {value!r}")
+    scores = state.block_scores
+    if not (isinstance(scores, list) and len(scores) in (0, state.num_blocks(bs))
+            and all(type(x) in (int, float) for x in scores)):
+        raise KVFileError("inconsistent", "block_scores is not one number per block")
     if not (isinstance(tokens, list) and tokens and all(isinstance(t, int) and t >= 0 for t in tokens)):
         raise KVFileError("inconsistent", "token_ids is not a non-empty list of token ids")
     sink_blocks = -(-max(layout.sink_tokens, state.pinned_tokens) // bs)
