@@ -378,7 +378,7 @@ def prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     for seq in plan.seqs:
         b = seq.index
         k, v = gather_blocks(key_cache, value_cache, seq.block_ids, k_scale, v_scale, q.dtype, plan.workspace)
-        n, length = seq.end - seq.start, seq.num_keys
+        length = seq.num_keys
         k = rotate(k.view(-1, num_kv_heads, head_dim)[:length], plan.k_cos[:length], plan.k_sin[:length],
                    scratch(plan.workspace, "key.rotated", (length, num_kv_heads, head_dim), q.dtype, q.device))
         k = k.transpose(0, 1)[None]  # (1, KVH, L, D), now rotated by cache position
