@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 
 from common import BOTCHAN
@@ -72,6 +73,8 @@ def run(loaded, policy: str, args, pairs, chunks) -> dict:
         eng.add_item("s", "user", f"What is the locker code for the {thing}? Answer with the number only.")
         reply = llm.respond(["s"], max_tokens=args.reply_tokens)[0]
         recalled += code in reply.text
+        if args.show:
+            print(f"{policy}: {thing} {code} -> {reply.text!r}", file=sys.stderr)
     stats = eng.session_stats("s")
     total = eng.sessions["s"].total_tokens
     note = None
@@ -91,9 +94,10 @@ def main() -> None:
     p.add_argument("--sink-tokens", type=int, default=4)
     p.add_argument("--h2o-recent-tokens", type=int, default=256)
     p.add_argument("--h2o-decay", type=float, default=1.0)
-    p.add_argument("--reply-tokens", type=int, default=12)
+    p.add_argument("--reply-tokens", type=int, default=24, help="the model restates the question first")
     p.add_argument("--policy", default="full,sink_window,h2o", help="comma-separated: full, sink_window, h2o")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--show", action="store_true", help="print each question's reply to stderr")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-threads", type=int, default=0)
     args = p.parse_args()
