@@ -5,7 +5,8 @@ One session through the engine (`LLM(...).engine`, as the daemon runs it):
 then `--filler-tokens` of the shipped *Botchan* as user messages, well past
 the window, then one question per fact ("What is the locker code for the red
 door?"), each answered greedily before the next is asked. A fact counts as
-recalled when its four digits appear in the reply. Runs the same conversation
+recalled when the first four-digit number in the reply is its code (the model
+tends to go on listing other facts' codes). Runs the same conversation
 under each `--policy`:
 
     full         a window that holds the whole conversation (where it fits the model's context)
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import time
 
@@ -72,7 +74,8 @@ def run(loaded, policy: str, args, pairs, chunks) -> dict:
     for thing, code in pairs:
         eng.add_item("s", "user", f"What is the locker code for the {thing}? Answer with the number only.")
         reply = llm.respond(["s"], max_tokens=args.reply_tokens)[0]
-        recalled += code in reply.text
+        first = re.search(r"\d{4}", reply.text)
+        recalled += first is not None and first.group() == code
         if args.show:
             print(f"{policy}: {thing} {code} -> {reply.text!r}", file=sys.stderr)
     stats = eng.session_stats("s")
