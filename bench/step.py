@@ -12,7 +12,9 @@ per session, evicting as the daemon would once the window is full). Prints
 the median and spread of the step's wall time and its median CPU time (all
 threads of the process: steadier than wall time when other work shares the
 machine), then one JSON line. `--profile` adds torch's profiler table of one
-step's operators.
+step's operators. `--mass` alternates plain steps with steps that also
+compute the attention mass per block (`ModelRunner.execute_with_mass`, what
+an h2o session's step costs) and reports both medians and their ratio.
 
 Uses only what the runner has offered since before issue #15 (runner,
 manager, StepBatch), so the same file times an older checkout: run it with
@@ -55,6 +57,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--mass", action="store_true", help="alternate with steps that compute h2o's attention mass")
     return p.parse_args(argv)
 
 
@@ -97,13 +100,18 @@ def main(argv=None) -> int:
     sessions = Sessions(runner, cache, args.sessions, args.cached)
     for _ in range(args.warmup):
         runner.execute(sessions.batch())
-    times, cpu_times = [], []
+    times, cpu_times, mass_cpu = [], [], []
     for _ in range(args.steps):
         batch = sessions.batch()  # scheduling work is not the runner's: left out of the time
         start, cpu_start = time.perf_counter(), time.process_time()
         runner.execute(batch)
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
+        if args.mass:  # interleaved (A B A B): the machine's load hits both alike
+            batch = sessions.batch()
+            cpu_start = time.process_time()
+            runner.execute_with_mass(batch)
+            mass_cpu.append(time.process_time() - cpu_start)
     cached = [len(seq.token_ids) for seq in sessions.seqs]
     ms = sorted(t * 1e3 for t in times)
     row = dict(bench="step", sessions=args.sessions, cached_tokens=round(statistics.mean(cached)),
@@ -115,6 +123,10 @@ def main(argv=None) -> int:
     print(f"{args.sessions} sessions x {row['cached_tokens']} cached tokens, {row['dtype']}, "
           f"{row['threads']} threads, {row['backend']} attention: decode step median {row['step_ms_median']} ms "
           f"(p10 {row['step_ms_p10']}, p90 {row['step_ms_p90']}), CPU time {row['cpu_ms_median']} ms")
+    if args.mass:
+        plain, mass = statistics.median(cpu_times) * 1e3, statistics.median(mass_cpu) * 1e3
+        row.update(mass_cpu_ms_median=round(mass, 1), mass_overhead=round(mass / plain - 1, 4))
+        print(f"with attention mass (h2o): CPU time {mass:.1f} ms, {100 * (mass / plain - 1):+.1f}%")
     if args.profile:
         from torch.profiler import profile
 

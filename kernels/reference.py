@@ -11,7 +11,8 @@ Layouts (every function here shares them with its kernel in this package):
     cos, sin               : (max_pos, head_dim) float32, rotate-half layout
                              (the halves repeat), indexed by a position or a
                              difference of positions (never negative)
-    k_scale, v_scale       : None for an unquantized pool; else its scales (see quant.py)
+    k_scale, v_scale       : None for an unquantized pool; else its scales (see quant.py;
+                             int4 keys: (num_blocks, num_kv_heads, head_dim), per channel)
 
 Queries and keys arrive unrotated. A key at table index i, offset o has cache
 position i * block_size + o and is stored as R(o) k. RoPE is a rotation, so a
@@ -39,7 +40,14 @@ indices, rotation rows, masks, the host-side split of the chunks); the
 backend builds them once per step. The oracles with the kernels' signatures
 build a plan and run it.
 
-Oracles never mutate their inputs (write_kv is the one write, by design).
+Attention mass (the h2o eviction's scores): decode and prefill take an
+optional `block_mass` (num_seqs, >= max_blocks) float32 output and ADD to it,
+per sequence and table index, the softmax probabilities of the keys in that
+block summed over every query head and query token of the sequence (so each
+query token adds num_heads in all; the runner divides by heads and layers).
+
+Oracles never mutate their inputs (write_kv is the one write, by design;
+`block_mass` is an output).
 """
 
 from __future__ import annotations
@@ -143,10 +151,32 @@ def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
         _flat(key_cache)[slot_mapping] = key.to(key_cache.dtype)
         _flat(value_cache)[slot_mapping] = value.to(value_cache.dtype)
         return
-    for x, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+    pairs = ((key, key_cache, k_scale), (value, value_cache, v_scale))
+    if quant.per_channel(key_cache, k_scale):  # int4 keys: a scale per channel per block
+        requantize_blocks(key_cache, k_scale, key, slot_mapping)
+        pairs = pairs[1:]
+    for x, cache, scale in pairs:
         stored, scales = quant.quantize(x, cache.dtype)
         _flat(cache)[slot_mapping] = stored
         _flat(scale)[slot_mapping] = scales
+
+
+def requantize_blocks(key_cache: torch.Tensor, k_scale: torch.Tensor, key: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write rotated keys (T, KVH, D) into int4 blocks with per-channel scales, re-quantizing each
+    block written under the max over its filled rows (offsets 0 .. the last one written).
+
+    A table fills its blocks in order, so a block's rows before its first new one are its
+    tokens so far; rows after its last are stale and ignored.
+    """
+    bs = key_cache.shape[1]
+    blocks, offsets = slot_mapping // bs, slot_mapping % bs
+    touched, which = torch.unique(blocks, return_inverse=True)  # (U,), (T,)
+    x = quant.dequantize_channels(key_cache[touched], k_scale[touched], torch.float32)  # (U, bs, KVH, D)
+    x[which, offsets] = key
+    last = torch.full_like(touched, -1).scatter_reduce_(0, which, offsets, "amax")
+    filled = torch.arange(bs, device=key.device) <= last[:, None]  # (U, bs)
+    key_cache[touched], k_scale[touched] = quant.quantize_channels(x, filled)
 
 
 def gather_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -159,7 +189,17 @@ def gather_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids:
 
 def gather_rows(cache: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor, dtype: torch.dtype,
                 workspace: Workspace | None = None, name: str = "rows") -> torch.Tensor:
-    """Rows of a pool viewed as (num_blocks * block_size * KVH, width), dequantized to `dtype`: (R, D)."""
+    """Rows of a pool viewed as (num_blocks * block_size * KVH, width), dequantized to `dtype`: (R, D).
+
+    With per-channel (int4 key) scales, `rows` must come in runs of one block's
+    block_size offsets of one head, as `decode_plan` orders them.
+    """
+    if quant.per_channel(cache, scale):
+        bs, kvh = cache.shape[1], cache.shape[2]
+        x = torch.index_select(cache.view(-1, cache.shape[-1]), 0, rows)
+        first = rows.view(-1, bs)[:, 0]  # each run's offset-0 row: (block * bs) * KVH + head
+        run_scale = scale.view(-1, scale.shape[-1]).index_select(0, first // (bs * kvh) * kvh + first % kvh)
+        return quant.dequantize_channels(x.view(-1, bs, x.shape[-1]), run_scale, dtype).view(rows.shape[0], -1)
     rows_scale = None if scale is None else scale.view(-1, *scale.shape[3:])
     return _gather(cache.view(-1, cache.shape[-1]), rows_scale, rows, dtype, workspace, name)
 
@@ -171,6 +211,8 @@ def _gather(pool: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor,
     x = torch.index_select(pool, 0, index, out=scratch(workspace, name, shape, pool.dtype, pool.device))
     if scale is None:
         return x
+    if quant.per_channel(pool, scale):  # int4 keys of whole blocks: (N, bs, KVH, D // 2), a scale per channel
+        return quant.dequantize_channels(x, scale.index_select(0, index), dtype)
     out = None
     if x.dtype != torch.uint8:  # int8/fp8 dequantize in place of a temporary; int4 unpacks (new tensor)
         out = scratch(workspace, name + ".dequantized", shape, dtype, pool.device)
@@ -221,16 +263,17 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            cos: torch.Tensor, sin: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None,
+                           block_mass: torch.Tensor | None = None) -> torch.Tensor:
     """One unrotated query per sequence: q (B, H, D) -> out (B, H, D)."""
     plan = decode_plan(block_tables, seq_lens, key_cache.shape[1], q.shape[1], key_cache.shape[2], cos, sin,
                        q.dtype)
-    return decode(q, key_cache, value_cache, plan, scale, k_scale, v_scale)
+    return decode(q, key_cache, value_cache, plan, scale, k_scale, v_scale, block_mass)
 
 
 def decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,
            scale: float, k_scale: torch.Tensor | None = None,
-           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+           v_scale: torch.Tensor | None = None, block_mass: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_decode_attention` on a plan: the query rotated per block, scored against the stored keys.
 
     Grouped-query heads share their KV head: query head h = kv_head * G + g.
@@ -247,6 +290,8 @@ def decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, 
     s = s.view(num_seqs, num_kv_heads, max_blocks, group, block_size).transpose(2, 3)
     s = s.reshape(num_seqs, num_kv_heads, group, length)  # a copy: ours, in place from here
     probs = s.mul_(scale).masked_fill_(~plan.mask, float("-inf")).softmax(-1, dtype=torch.float32)
+    if block_mass is not None:  # (B, KVH, G, NB * BS) -> (B, NB)
+        block_mass[:, :max_blocks] += probs.view(num_seqs, num_kv_heads * group, max_blocks, block_size).sum((1, 3))
     out = torch.bmm(probs.to(q.dtype).view(-1, group, length), v.view(-1, length, head_dim))  # (B*KVH, G, D)
     return out.view(num_seqs, num_heads, head_dim)
 
@@ -262,6 +307,7 @@ class PrefillSeq(NamedTuple):
     num_keys: int
     block_ids: torch.Tensor  # (num_blocks,) int64
     mask: torch.Tensor | None  # (n, num_keys) bool; None: nothing cached before the chunk (plain causal)
+    index: int  # its row in the step's tables (a chunk without queries has none here)
 
 
 class PrefillPlan(NamedTuple):
@@ -288,7 +334,7 @@ def prefill_plan(block_tables: torch.Tensor, query_lens: list[int], key_lens: li
             if n < num_keys:  # query i at num_keys - n + i sees keys up to its position
                 mask = torch.ones(n, num_keys, dtype=torch.bool, device=dev).tril_(num_keys - n)
             num_blocks = -(-num_keys // block_size)
-            seqs.append(PrefillSeq(start, start + n, num_keys, block_tables[b, :num_blocks].long(), mask))
+            seqs.append(PrefillSeq(start, start + n, num_keys, block_tables[b, :num_blocks].long(), mask, b))
         start += n
     max_keys = max((s.num_keys for s in seqs), default=0)
     starts = torch.arange(max_keys, device=dev) // block_size * block_size
@@ -300,7 +346,8 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                             scale: float, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None,
+                            block_mass: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen chunks of unrotated queries: q (T, H, D), sequence b's at q[cu[b]:cu[b+1]] -> out (T, H, D).
 
     Query i of a chunk of n sits at cache position seq_len - n + i and attends,
@@ -311,29 +358,54 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
     positions = torch.cat([torch.arange(k - n, k) for n, k in zip(query_lens, key_lens)]).to(q.device)
     plan = prefill_plan(block_tables, query_lens, key_lens, positions, key_cache.shape[1], q.shape[1],
                         key_cache.shape[2], cos, sin, q.dtype)
-    return prefill(q, key_cache, value_cache, plan, scale, k_scale, v_scale)
+    return prefill(q, key_cache, value_cache, plan, scale, k_scale, v_scale, block_mass)
 
 
 def prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: PrefillPlan,
             scale: float, k_scale: torch.Tensor | None = None,
-            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+            v_scale: torch.Tensor | None = None, block_mass: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_prefill_attention` on a plan: keys rotated by block start, queries by position.
 
     Grouped-query heads share their KV head (`enable_gqa`): keys are never
-    repeated per head.
+    repeated per head. With `block_mass` the probabilities are needed, which
+    `scaled_dot_product_attention` does not give: attention is computed
+    explicitly (`_attention_with_mass`).
     """
-    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    head_dim = q.shape[-1]  # the pool's last dim is head_dim / 2 for int4
     out = torch.empty_like(q)
     qr = rotate(q, plan.q_cos, plan.q_sin)  # (T, H, D) by cache position
     for seq in plan.seqs:
+        b = seq.index
         k, v = gather_blocks(key_cache, value_cache, seq.block_ids, k_scale, v_scale, q.dtype, plan.workspace)
-        n, length = seq.end - seq.start, seq.num_keys
+        length = seq.num_keys
         k = rotate(k.view(-1, num_kv_heads, head_dim)[:length], plan.k_cos[:length], plan.k_sin[:length],
                    scratch(plan.workspace, "key.rotated", (length, num_kv_heads, head_dim), q.dtype, q.device))
         k = k.transpose(0, 1)[None]  # (1, KVH, L, D), now rotated by cache position
         v = v.view(-1, num_kv_heads, head_dim)[:length].transpose(0, 1)[None]
         qb = qr[seq.start:seq.end].transpose(0, 1)[None]  # (1, H, n, D)
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=seq.mask, is_causal=seq.mask is None,
-                                           scale=scale, enable_gqa=True)
+        if block_mass is None:
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=seq.mask, is_causal=seq.mask is None,
+                                               scale=scale, enable_gqa=True)
+        else:
+            o, mass = _attention_with_mass(qb, k, v, scale, block_size)
+            block_mass[b, :mass.shape[0]] += mass
         out[seq.start:seq.end] = o[0].transpose(0, 1)  # (n, H, D)
     return out
+
+
+def _attention_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of q (1, H, n, D), the last n of k, v's (1, KVH, L, D) positions, and the
+    mass per block of keys summed over heads and queries: ((1, H, n, D), (ceil(L / block_size),))."""
+    _, num_heads, n, head_dim = q.shape
+    num_kv_heads, length = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    qg = q[0].reshape(num_kv_heads, group * n, head_dim)  # head h = kv_head * G + g
+    s = torch.bmm(qg, k[0].transpose(1, 2)).view(num_kv_heads, group, n, length)
+    causal = torch.ones(n, length, dtype=torch.bool, device=q.device).tril_(length - n)
+    probs = s.mul_(scale).masked_fill_(~causal, float("-inf")).softmax(-1, dtype=torch.float32)
+    o = torch.bmm(probs.to(v.dtype).view(num_kv_heads, group * n, length), v[0])
+    num_blocks = -(-length // block_size)
+    mass = F.pad(probs.sum((0, 1, 2)), (0, num_blocks * block_size - length)).view(num_blocks, block_size).sum(1)
+    return o.view(1, num_heads, n, head_dim), mass

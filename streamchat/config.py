@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "int8", "fp8", "int4")
+EVICTIONS = ("sink_window", "h2o")  # which block leaves a full window (see cache/manager.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 WEIGHTS = ("auto", "bf16", "int8", "int4")  # auto: measured once per model and device, then cached
 
@@ -59,6 +60,14 @@ class CacheConfig:
     pin_system_prompt: bool = True  # the system prompt joins the sinks
     prefix_sharing: bool = True
     kv_dtype: str = "auto"
+    # Each session's eviction policy (the default for every session): sink_window evicts the
+    # oldest block after the sinks; h2o the block with the least attention mass outside the
+    # sinks, the pinned system prompt and the last `h2o_recent_tokens` (rounded up to blocks).
+    # A block's score is the attention mass it drew, summed over heads and layers (each query
+    # token adds 1 in all), older mass multiplied by `h2o_decay` per query token (1: plain sum).
+    eviction: str = "sink_window"
+    h2o_recent_tokens: int = 256
+    h2o_decay: float = 1.0
 
     def validate(self) -> None:
         _positive("block_size", self.block_size)
@@ -76,6 +85,13 @@ class CacheConfig:
         if self.num_blocks == 0 and self.kv_memory_gib <= 0:
             raise ConfigError("kv_memory_gib must be > 0 when num_blocks is 0")
         _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        _choice("eviction", self.eviction, EVICTIONS)
+        if self.h2o_recent_tokens < 0 or (self.eviction == "h2o" and
+                                          self.h2o_recent_tokens > self.window_tokens - 2 * self.block_size):
+            raise ConfigError(f"h2o_recent_tokens must be in [0, window_tokens - 2 * block_size] "
+                              f"(= {self.window_tokens - 2 * self.block_size}), got {self.h2o_recent_tokens}")
+        if isinstance(self.h2o_decay, bool) or not 0 < self.h2o_decay <= 1:
+            raise ConfigError(f"h2o_decay must be in (0, 1], got {self.h2o_decay!r}")
 
     @property
     def num_sink_blocks(self) -> int:

@@ -23,7 +23,7 @@ from streamchat.config import KV_DTYPES, WEIGHTS, ConfigError
 log = logging.getLogger(__name__)
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "botchan.txt"
-POLICIES = ("full", "window", "sink", "recompute")  # = evaluate_policies.POLICIES, torch-free here
+POLICIES = ("full", "window", "sink", "h2o", "recompute")  # = evaluate_policies.POLICIES, torch-free here
 
 
 @dataclass
@@ -97,6 +97,11 @@ def check_args(args, default_weights: str = "bf16") -> tuple[list[str], list[str
     if args.window_tokens < 2 * args.block_size:
         raise ConfigError(f"--window-tokens ({args.window_tokens}) must hold at least two blocks "
                           f"of {args.block_size} tokens")
+    if not 0 <= args.h2o_recent_tokens <= args.window_tokens - 2 * args.block_size:
+        raise ConfigError(f"--h2o-recent-tokens must be in [0, window_tokens - 2 * block_size] "
+                          f"(= {args.window_tokens - 2 * args.block_size}), got {args.h2o_recent_tokens}")
+    if not 0 < args.h2o_decay <= 1:
+        raise ConfigError(f"--h2o-decay must be in (0, 1], got {args.h2o_decay}")
     policies = _names(args.policies, POLICIES, "--policy") or list(POLICIES)
     kv_dtypes = _names(args.kv_dtypes, KV_DTYPES, "--kv-dtype") or ["auto"]
     weights = _names(args.weights, WEIGHTS, "--weights") or [default_weights]
@@ -141,7 +146,7 @@ def evaluate(loaded, token_ids: list[int], spec, policies: list[str], kv_dtypes:
 
 
 def _result(policy: str, spec, scored, sample, weights: str) -> EvalResult:
-    r = EvalResult(policy, spec.kv_dtype, spec.sink_tokens if policy == "sink" else 0,
+    r = EvalResult(policy, spec.kv_dtype, spec.sink_tokens if policy in ("sink", "h2o") else 0,
                    None if policy == "full" else spec.window_tokens, spec.block_size,
                    len(scored.nll), float(scored.nll.double().mean()), scored.seconds, note=scored.note,
                    weights=weights)
@@ -170,7 +175,7 @@ def add_parser(subparsers) -> None:
 
     p = subparsers.add_parser("eval", help="perplexity over a long text under each KV cache policy",
                               description="Streaming perplexity (StreamingLLM-style) under the policies "
-                                          "full, window, sink and recompute.")
+                                          "full, window, sink, h2o and recompute.")
     p.add_argument("text_file", nargs="?", default=None,
                    help="UTF-8 text to evaluate (default: the shipped Botchan, Project Gutenberg #8868)")
     p.add_argument("--sink-tokens", type=int, default=4, help="sink tokens, rounded up to blocks (default 4)")
@@ -187,6 +192,10 @@ def add_parser(subparsers) -> None:
                         "auto reports the format it chose)")
     p.add_argument("--recompute-stride", type=int, default=61,
                    help="the oracle scores every Nth token only (default 61)")
+    p.add_argument("--h2o-recent-tokens", type=int, default=256,
+                   help="h2o: recent tokens never evicted, rounded up to blocks (default 256)")
+    p.add_argument("--h2o-decay", type=float, default=1.0,
+                   help="h2o: older attention mass decays by this per query token (default 1: plain sum)")
     p.add_argument("--json", action="store_true", help="one JSON object per line per result")
     settings.add_flags(p, ("model",), skip=("weights",))
     p.set_defaults(func=_cmd_eval)
@@ -202,7 +211,8 @@ def _cmd_eval(args) -> int:
     config = settings.load(args)
     policies, kv_dtypes, weights = check_args(args, config.model.weights)
     text = read_text(args.text_file)
-    spec = EvalSpec(args.sink_tokens, args.window_tokens, args.block_size, args.recompute_stride)
+    spec = EvalSpec(args.sink_tokens, args.window_tokens, args.block_size, args.recompute_stride,
+                    h2o_recent_tokens=args.h2o_recent_tokens, h2o_decay=args.h2o_decay)
     for i, fmt in enumerate(weights):  # one model at a time
         loaded = load_model(dataclasses.replace(config.model, weights=fmt))
         token_ids = tokenize(loaded.tokenizer, text, args.tokens)

@@ -7,6 +7,10 @@ the policy leaves it at that point, as StreamingLLM's evaluation does:
     full       no eviction; stops at the model's context (max_position_embeddings)
     window     the most recent tokens only: a sliding window with no sink region
     sink       sink region + window: the engine's own KVCacheManager, unchanged
+    h2o        the same sink region and window budget, the engine's h2o eviction:
+               the block with the least accumulated attention mass outside the
+               sinks and the protected recent blocks leaves (scores from every
+               forward's attention, as the engine feeds them)
     recompute  the oracle: the last `window_tokens` tokens recomputed from
                scratch at positions 0..W-1 for each predicted token (a sample)
 
@@ -30,12 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from streamchat.cache.block_pool import BlockPool
-from streamchat.cache.manager import KVCacheManager, SeqCache
+from streamchat.cache.manager import H2O, KVCacheManager, SeqCache
 from streamchat.config import CacheConfig
 from streamchat.model.batch import SeqChunk, StepBatch
 from streamchat.model.runner import LoadedModel, ModelRunner
 
-POLICIES = ("full", "window", "sink", "recompute")
+POLICIES = ("full", "window", "sink", "h2o", "recompute")
 FULL_CHUNK_BLOCKS = 16  # `full` never evicts, so any chunk is exact: bigger is faster
 
 
@@ -48,6 +52,8 @@ class EvalSpec:
     block_size: int = 16
     recompute_stride: int = 61  # odd: the sample visits every offset within a block
     kv_dtype: str = "auto"
+    h2o_recent_tokens: int = 256
+    h2o_decay: float = 1.0
 
 
 class PolicyNLL(NamedTuple):
@@ -70,10 +76,11 @@ def _runner(loaded: LoadedModel, spec: EvalSpec, num_blocks: int) -> ModelRunner
     return ModelRunner(loaded, cache)
 
 
-def _forward(runner: ModelRunner, chunk: SeqChunk, decode: bool, rows: torch.Tensor) -> torch.Tensor:
+def _forward(runner: ModelRunner, chunk: SeqChunk, decode: bool, rows: torch.Tensor,
+             block_mass: torch.Tensor | None = None) -> torch.Tensor:
     batch = StepBatch(decode=[chunk]) if decode else StepBatch(prefill=[chunk])
     ids, positions, meta, _ = runner.prepare(batch)
-    return runner.model.forward(ids, positions, meta, runner.kv_caches, rows)
+    return runner.model.forward(ids, positions, meta, runner.kv_caches, rows, block_mass)
 
 
 @torch.inference_mode()
@@ -93,7 +100,14 @@ def stream_nll(runner: ModelRunner, manager: KVCacheManager, seq: SeqCache, toke
         piece = token_ids[start:min(start + chunk, len(token_ids) - 1)]
         placed = manager.append(seq, piece)
         c = SeqChunk(piece, placed.positions, placed.slots, list(seq.block_ids), True)
-        logits = _forward(runner, c, chunk == 1, torch.arange(len(piece), device=dev))  # (n, vocab)
+        rows = torch.arange(len(piece), device=dev)
+        if seq.eviction == "h2o":  # the scores, fed as the engine feeds them (ModelRunner.execute_with_mass)
+            mass = torch.zeros(1, len(seq.block_ids), device=dev)
+            logits = _forward(runner, c, chunk == 1, rows, mass)
+            shape = runner.model.shape
+            manager.observe(seq, mass[0].div_(shape.num_heads * shape.num_layers).tolist(), len(piece))
+        else:
+            logits = _forward(runner, c, chunk == 1, rows)  # (n, vocab)
         out.append(F.cross_entropy(logits, targets[start:start + len(piece)], reduction="none"))
         bar.update(len(piece))
     return torch.cat(out).float().cpu()
@@ -109,26 +123,28 @@ class PolicyCache(NamedTuple):
 
 
 def policy_cache(policy: str, num_tokens: int, spec: EvalSpec) -> PolicyCache:
-    """The cache `full`, `window` or `sink` streams `num_tokens` tokens through."""
+    """The cache `full`, `window`, `sink` or `h2o` streams `num_tokens` tokens through."""
     bs = spec.block_size
     if policy == "full":
         num_blocks = -(-num_tokens // bs) + 2
         manager = KVCacheManager(BlockPool(num_blocks), bs, bs, num_blocks * bs, prefix_sharing=False)
         return PolicyCache(manager, manager.new_seq(), num_blocks, bs * FULL_CHUNK_BLOCKS)
-    if policy not in ("window", "sink"):
+    if policy not in ("window", "sink", "h2o"):
         raise ValueError(f"not a streamed policy: {policy!r}")
-    sink_tokens = spec.sink_tokens if policy == "sink" else 0
+    sink_tokens = spec.sink_tokens if policy != "window" else 0
     num_blocks = -(-sink_tokens // bs) + -(-spec.window_tokens // bs) + 2
-    manager = KVCacheManager(BlockPool(num_blocks), bs, sink_tokens, spec.window_tokens, prefix_sharing=False)
-    # `sink` is exactly what the engine builds; `window` needs a sink region of
+    eviction = "h2o" if policy == "h2o" else "sink_window"
+    manager = KVCacheManager(BlockPool(num_blocks), bs, sink_tokens, spec.window_tokens, prefix_sharing=False,
+                             eviction=eviction, h2o=H2O(spec.h2o_recent_tokens, spec.h2o_decay))
+    # `sink` and `h2o` are exactly what the engine builds; `window` needs a sink region of
     # zero blocks, which new_seq (it rounds up to at least one block) never gives
-    seq = manager.new_seq() if policy == "sink" else SeqCache(num_sink_blocks=0)
+    seq = manager.new_seq() if policy != "window" else SeqCache(num_sink_blocks=0)
     return PolicyCache(manager, seq, num_blocks, bs)
 
 
 def streamed_policy(loaded: LoadedModel, policy: str, token_ids: list[int], spec: EvalSpec,
                     bar=None, chunk: int | None = None) -> PolicyNLL:
-    """`full`, `window` or `sink` over the whole stream (`full`: up to the model's context).
+    """`full`, `window`, `sink` or `h2o` over the whole stream (`full`: up to the model's context).
 
     `chunk` overrides the feeding (tests use it); by default one block for the
     evicting policies and FULL_CHUNK_BLOCKS blocks for `full`, which never evicts.

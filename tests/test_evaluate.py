@@ -58,11 +58,11 @@ def ids():
     return torch.randint(0, 300, (90,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-# block 4, sink 4 (one block), window 16 (four blocks): 90 tokens evict many times
-SPEC = EvalSpec(sink_tokens=4, window_tokens=16, block_size=4, recompute_stride=1)
+# block 4, sink 4 (one block), window 16 (four blocks; h2o protects the last one): 90 tokens evict many times
+SPEC = EvalSpec(sink_tokens=4, window_tokens=16, block_size=4, recompute_stride=1, h2o_recent_tokens=4)
 
 
-@pytest.mark.parametrize("policy", ["sink", "window", "full"])
+@pytest.mark.parametrize("policy", ["sink", "window", "full", "h2o"])
 def test_chunked_equals_token_by_token(tiny, ids, policy):
     """One block per forward gives the NLLs that one token per forward (the decode path) gives."""
     chunked = streamed_policy(tiny, policy, ids, SPEC)
@@ -96,6 +96,23 @@ def test_sinks_change_the_numbers(tiny, ids):
     window = streamed_policy(tiny, "window", ids, SPEC).nll
     assert torch.equal(sink[:16], window[:16])  # 16 tokens fed: nothing evicted yet
     assert not torch.allclose(sink[24:], window[24:])
+
+
+def test_h2o_keeps_sinks_and_recent_blocks_and_evicts_by_score(tiny, ids):
+    """`h2o` holds the sink block, the most recent block, and among the rest the blocks it scored
+    highest; it evicts a different block than `sink` once the window is full, so the NLLs part."""
+    cache = policy_cache("h2o", len(ids), SPEC)
+    runner = ModelRunner(tiny, _cache_cfg(cache.num_blocks))
+    h2o = stream_nll(runner, cache.manager, cache.seq, ids, cache.chunk)
+    seq, fed = cache.seq, ids[:-1]
+    assert seq.eviction == "h2o" and seq.num_tokens == 4 + 13 and seq.token_ids[:4] == fed[:4]
+    assert seq.token_ids[-1:] == fed[-1:] and seq.token_ids[-5:-1] == fed[-5:-1], "the recent block stays"
+    assert seq.token_ids != fed[:4] + fed[-13:], "not what sink + window keeps"
+    assert len(seq.block_scores) == 5 and all(x > 0 for x in seq.block_scores[:4])
+    cache.manager.check([seq])
+    sink = streamed_policy(tiny, "sink", ids, SPEC).nll
+    assert torch.allclose(h2o[:20], sink[:20], atol=1e-5)  # nothing evicted yet: the same cache
+    assert not torch.allclose(h2o[24:], sink[24:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -150,18 +167,19 @@ def test_shipped_text():
 @pytest.mark.slow
 def test_cli_json_lines(capsys):
     """`streamchat eval --json`: one object per policy, in order, on the bundled model."""
-    rc = cli.main(["eval", "--tokens", "96", "--window-tokens", "32", "--block-size", "16",
+    rc = cli.main(["eval", "--tokens", "96", "--window-tokens", "32", "--block-size", "16", "--h2o-recent-tokens", "0",
                    "--recompute-stride", "8", "--json", "--num-threads", "1"])
     out, err = capsys.readouterr()
     assert rc == 0 and err == ""  # no progress bar when stderr is not a terminal
     rows = [json.loads(line) for line in out.splitlines()]
-    assert [r["policy"] for r in rows] == ["full", "window", "sink", "recompute"]
+    assert [r["policy"] for r in rows] == ["full", "window", "sink", "h2o", "recompute"]
     common = {"policy", "weights", "kv_dtype", "sink_tokens", "window_tokens", "block_size", "tokens", "nll",
               "ppl", "seconds"}
     for r in rows:
         assert common <= set(r) and r["kv_dtype"] == "auto" and r["weights"] == "bf16" and r["block_size"] == 16
         assert r["ppl"] == pytest.approx(math.exp(r["nll"])) and r["seconds"] > 0
-    full, window, sink, recompute = rows
+    full, window, sink, h2o, recompute = rows
+    assert (h2o["sink_tokens"], h2o["window_tokens"], h2o["tokens"]) == (4, 32, 95)
     assert set(full) == common | {"sample_tokens", "sample_nll", "sample_ppl"}
     assert (full["sink_tokens"], full["window_tokens"], full["tokens"]) == (0, None, 95)
     assert (window["sink_tokens"], window["window_tokens"], window["tokens"]) == (0, 32, 95)
@@ -182,7 +200,10 @@ def test_cli_json_lines(capsys):
     (["--recompute-stride", "0"], "--recompute-stride must be a positive integer, got 0"),
     (["--block-size", "12"], "--block-size must be a power of two, got 12"),
     (["--window-tokens", "16"], "--window-tokens (16) must hold at least two blocks of 16 tokens"),
-    (["--policy", "sink,lru"], "--policy: unknown 'lru'; choose from full, window, sink, recompute"),
+    (["--policy", "sink,lru"], "--policy: unknown 'lru'; choose from full, window, sink, h2o, recompute"),
+    (["--h2o-recent-tokens", "1000"], "--h2o-recent-tokens must be in [0, window_tokens - 2 * block_size] "
+                                      "(= 992), got 1000"),
+    (["--h2o-decay", "0"], "--h2o-decay must be in (0, 1], got 0.0"),
     (["--kv-dtype", "int9"], f"--kv-dtype: unknown 'int9'; choose from {', '.join(KV_DTYPES)}"),
     (["--weights", "int4,fp4"], f"--weights: unknown 'fp4'; choose from {', '.join(WEIGHTS)}"),
 ])

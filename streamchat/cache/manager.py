@@ -1,4 +1,4 @@
-"""Per-sequence block tables over the pool: appends, sink + window eviction, prefix reuse.
+"""Per-sequence block tables over the pool: appends, sink + window or H2O eviction, prefix reuse.
 
 Owns each sequence's block table and the tokens its cache holds. Knows the
 pool and the cache settings; knows nothing about sessions, requests, models
@@ -11,10 +11,23 @@ A sequence's table, with S sink blocks and a window of W blocks:
     cache pos:  idx * block_size + offset   (contiguous: evicting shifts positions left)
 
 When an append would leave more than `window_cap` tokens after the sinks,
-the oldest whole blocks after the sinks leave the table and their reference
-is dropped; nothing is copied. Eviction happens only when a token needs a new
-block, so feeding block-aligned chunks of one block gives exactly what
-token-by-token feeding gives.
+whole blocks after the sinks leave the table and their reference is dropped;
+nothing is copied. Eviction happens only when a token needs a new block, so
+feeding block-aligned chunks of one block gives exactly what token-by-token
+feeding gives. Which blocks leave is the sequence's policy (`eviction`):
+
+    sink_window  the oldest blocks after the sinks (StreamingLLM)
+    h2o          the blocks with the least score (`block_scores`: attention mass,
+                 fed by `observe`) among those after the sinks and before the
+                 protected recent blocks; if those are too few, the oldest
+                 protected ones next
+
+    table idx:  0 .. S-1 | S ............ | ......... n-R-1 | n-R .. n-1 (+ partial)
+                sinks      h2o: the least-scored of these go    recent: protected
+
+Either way the table stays a list of whole blocks in cache order: an h2o
+eviction leaves a hole in the conversation, not in the table, and the blocks
+after it take the next cache positions (they are position-free).
 
 Prefix reuse: while a sequence's KV equals a cold prefill of its tokens
 ("pristine": no eviction since it was built), every full block is registered
@@ -47,6 +60,8 @@ class SeqCache:
     block_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     num_sink_blocks: int = 1
+    eviction: str = "sink_window"  # config.EVICTIONS
+    block_scores: list[float] = field(default_factory=list)  # per table idx: attention mass drawn (h2o)
     pristine: bool = True
     block_hashes: list[int] = field(default_factory=list)  # of the first full blocks
     evicted_tokens: int = 0
@@ -75,30 +90,45 @@ def chain_hash(parent: int, token_ids: tuple[int, ...], extra_key: bytes) -> int
     return int.from_bytes(h.digest(), "little")
 
 
+class H2O(NamedTuple):
+    """The h2o policy's settings: protected recent tokens, decay of older mass per query token."""
+
+    recent_tokens: int = 256
+    decay: float = 1.0
+
+
 class KVCacheManager:
     """Block tables for many sequences over one pool."""
 
     def __init__(self, pool: BlockPool, block_size: int, sink_tokens: int,
-                 window_tokens: int, extra_key: bytes = b"", prefix_sharing: bool = True) -> None:
+                 window_tokens: int, extra_key: bytes = b"", prefix_sharing: bool = True,
+                 eviction: str = "sink_window", h2o: H2O = H2O()) -> None:
         self.pool = pool
         self.block_size = block_size
         self.sink_tokens = sink_tokens
         self.window_cap = -(-window_tokens // block_size) * block_size
         self.extra_key = extra_key
         self.prefix_sharing = prefix_sharing
+        self.eviction = eviction  # the default of new sequences
+        self.recent_blocks = -(-h2o.recent_tokens // block_size)
+        self.decay = h2o.decay
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
         self.num_evicted_tokens = 0
+        self.evicted_by_policy = {"sink_window": 0, "h2o": 0}  # tokens
 
     @property
     def max_chunk(self) -> int:
         """The largest append that never evicts a block it is writing."""
         return self.window_cap - self.block_size
 
-    def new_seq(self, pinned_tokens: int = 0) -> SeqCache:
+    def new_seq(self, pinned_tokens: int = 0, eviction: str | None = None) -> SeqCache:
         """A sequence whose sink region covers `sink_tokens` and `pinned_tokens`."""
         sink = max(self.sink_tokens, pinned_tokens)
-        return SeqCache(num_sink_blocks=-(-sink // self.block_size))
+        eviction = eviction or self.eviction
+        if eviction not in self.evicted_by_policy:
+            raise ValueError(f"unknown eviction policy {eviction!r}; choose from {', '.join(self.evicted_by_policy)}")
+        return SeqCache(num_sink_blocks=-(-sink // self.block_size), eviction=eviction)
 
     def match_prefix(self, seq: SeqCache, token_ids: list[int]) -> int:
         """Take cached full blocks for the head of `token_ids`; return tokens taken.
@@ -121,6 +151,7 @@ class KVCacheManager:
                 break
             self.pool.touch(block_id)
             seq.block_ids.append(block_id)
+            seq.block_scores.append(0.0)
             seq.block_hashes.append(block_hash)
             seq.token_ids.extend(block_tokens)
             taken += bs
@@ -144,8 +175,24 @@ class KVCacheManager:
 
     def _freed_by_evicting(self, seq: SeqCache, num_evict: int) -> int:
         """Blocks an eviction returns to the pool: those no other table references."""
-        first = seq.num_sink_blocks
-        return sum(1 for b in seq.block_ids[first:first + num_evict] if self.pool.ref_counts[b] == 1)
+        return sum(1 for i in self.victims(seq, num_evict) if self.pool.ref_counts[seq.block_ids[i]] == 1)
+
+    def victims(self, seq: SeqCache, num_evict: int) -> list[int]:
+        """Table indices of the `num_evict` blocks the sequence's policy evicts next, ascending."""
+        first, full = seq.num_sink_blocks, seq.num_tokens // self.block_size
+        if seq.eviction == "sink_window":
+            return list(range(first, first + num_evict))
+        protected = max(first, full - self.recent_blocks)
+        scores = seq.block_scores
+        ranked = sorted(range(first, protected), key=lambda i: (scores[i], i)) + list(range(protected, full))
+        return sorted(ranked[:num_evict])
+
+    def observe(self, seq: SeqCache, block_mass: list[float], num_queries: int) -> None:
+        """Add a step's attention mass per table idx (summed over its `num_queries` queries) to the
+        scores; older mass decays by `decay` per query token."""
+        assert len(block_mass) == len(seq.block_scores), "mass for another table"
+        keep = self.decay ** num_queries
+        seq.block_scores[:] = [s * keep + m for s, m in zip(seq.block_scores, block_mass)]
 
     def append(self, seq: SeqCache, token_ids: list[int]) -> Placement:
         """Evict as the policy says, allocate blocks, and place `token_ids`.
@@ -164,6 +211,7 @@ class KVCacheManager:
             self._evict(seq, num_evict)
         for _ in range(num_alloc):
             seq.block_ids.append(self.pool.allocate())
+            seq.block_scores.append(0.0)
         bs = self.block_size
         start = seq.num_tokens
         positions = list(range(start, start + num_new))
@@ -172,17 +220,18 @@ class KVCacheManager:
         return Placement(slots, positions, num_evict * bs)
 
     def _evict(self, seq: SeqCache, num_blocks: int) -> None:
-        first = seq.num_sink_blocks
         bs = self.block_size
-        for block_id in seq.block_ids[first:first + num_blocks]:
-            self.pool.free(block_id)
-        del seq.block_ids[first:first + num_blocks]
-        del seq.token_ids[first * bs:(first + num_blocks) * bs]
-        if len(seq.block_hashes) > first:
-            del seq.block_hashes[first:]
+        victims = self.victims(seq, num_blocks)
+        for idx in reversed(victims):
+            self.pool.free(seq.block_ids[idx])
+            del seq.block_ids[idx]
+            del seq.block_scores[idx]
+            del seq.token_ids[idx * bs:(idx + 1) * bs]
+        del seq.block_hashes[min(victims[0], len(seq.block_hashes)):]
         seq.pristine = False
         seq.evicted_tokens += num_blocks * bs
         self.num_evicted_tokens += num_blocks * bs
+        self.evicted_by_policy[seq.eviction] += num_blocks * bs
 
     def commit(self, seq: SeqCache) -> None:
         """Register the sequence's newly full blocks for reuse (after their KV is written)."""
@@ -208,6 +257,7 @@ class KVCacheManager:
         for block_id in reversed(seq.block_ids[keep:]):
             self.pool.free(block_id)
         del seq.block_ids[keep:]
+        del seq.block_scores[keep:]
         del seq.token_ids[num_tokens:]
         del seq.block_hashes[keep:]
 
@@ -216,6 +266,7 @@ class KVCacheManager:
         for block_id in reversed(seq.block_ids):
             self.pool.free(block_id)
         seq.block_ids.clear()
+        seq.block_scores.clear()
         seq.token_ids.clear()
         seq.block_hashes.clear()
         seq.pristine = True
@@ -231,10 +282,10 @@ class KVCacheManager:
         refs = [0] * self.pool.num_blocks
         for seq in seqs:
             assert len(seq.block_ids) == -(-seq.num_tokens // self.block_size)
-            assert len(seq.block_hashes) <= len(seq.block_ids)
+            assert len(seq.block_hashes) <= len(seq.block_ids) == len(seq.block_scores)
             for block_id in seq.block_ids:
                 refs[block_id] += 1
         assert refs == self.pool.ref_counts, "block tables and ref counts disagree"
 
 
-__all__ = ["KVCacheManager", "SeqCache", "Placement", "SeqStats", "NoFreeBlocks", "chain_hash"]
+__all__ = ["KVCacheManager", "H2O", "SeqCache", "Placement", "SeqStats", "NoFreeBlocks", "chain_hash"]

@@ -228,6 +228,7 @@ class SessionStats:
     queued_tokens: int
     residency: str
     on_disk: bool
+    eviction: str = "sink_window"  # the session's policy: evicted_tokens are its doing
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,7 @@ class EngineSnapshot:
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     evicted_tokens: int = 0
+    evicted_by_policy: dict[str, int] = field(default_factory=dict)  # tokens, by eviction policy
     preemptions: int = 0
     idle_drops: int = 0
     cached_block_evictions: int = 0

@@ -19,7 +19,7 @@ import logging
 import time
 
 from streamchat.cache.block_pool import BlockPool
-from streamchat.cache.manager import KVCacheManager
+from streamchat.cache.manager import H2O, KVCacheManager
 from streamchat.config import CacheConfig, ConfigError, SchedulerConfig, TierConfig
 from streamchat.engine import api
 from streamchat.engine.api import EngineError
@@ -50,7 +50,12 @@ class Engine:
         extra = (f"{runner.loaded.source.fingerprint}:{runner.model.dtype}:{runner.kv_dtype}:"
                  f"{cache.block_size}").encode()
         self.manager = KVCacheManager(self.pool, cache.block_size, cache.sink_tokens,
-                                      cache.window_tokens, extra, cache.prefix_sharing)
+                                      cache.window_tokens, extra, cache.prefix_sharing, cache.eviction,
+                                      H2O(cache.h2o_recent_tokens, cache.h2o_decay))
+        if cache.eviction == "h2o" and runner.model.backend.name != "torch":
+            raise ConfigError(f"--eviction h2o needs attention mass per block, which only the torch attention "
+                              f"backend computes (not {runner.model.backend.name!r}); use --attention-backend "
+                              f"torch or --eviction sink_window")
         if cache.max_blocks_per_session() > self.pool.num_usable:
             raise ConfigError(
                 f"sink_tokens + window_tokens need {cache.max_blocks_per_session()} blocks per session, "
@@ -294,7 +299,8 @@ class Engine:
             pool_cached_free=self.pool.num_cached_free, pool_free=self.pool.num_free,
             prefix_queried_tokens=s.seq.queried_tokens, prefix_hit_tokens=s.seq.cached_tokens,
             kv_bytes=len(s.seq.block_ids) * self.runner.bytes_per_block, items=s.num_items,
-            queued_tokens=s.queued_tokens, residency=s.tier, on_disk=self.tiering.on_disk(s))
+            queued_tokens=s.queued_tokens, residency=s.tier, on_disk=self.tiering.on_disk(s),
+            eviction=s.seq.eviction)
 
     def _get(self, session_id: str) -> EngineSession:
         s = self.sessions.get(session_id)
@@ -323,7 +329,7 @@ class Engine:
                 self.failed_steps = 0
                 return events + [ItemPrefilled(s.session_id, t, s.seq.num_tokens) for s, t in sched.tickets]
             started = time.perf_counter()
-            logits = self.runner.execute(sched.batch)
+            logits = self._execute(sched)
             events += [ItemPrefilled(s.session_id, t, s.seq.num_tokens) for s, t in sched.tickets]
             samplers = [o for o, c in zip(sched.owners, sched.batch.chunks()) if c.want_logits]
             if samplers:
@@ -338,6 +344,16 @@ class Engine:
             return events + self._recover(owners, exc)
         self.failed_steps = 0
         return events
+
+    def _execute(self, sched) -> object:
+        """Run the step; with an h2o session in it, feed every chunk's attention mass to its scores."""
+        if not any(s.seq.eviction == "h2o" for s in sched.owners):
+            return self.runner.execute(sched.batch)
+        logits, masses = self.runner.execute_with_mass(sched.batch)
+        for s, chunk, mass in zip(sched.owners, sched.batch.chunks(), masses):
+            if s.seq.eviction == "h2o" and s.seq.block_ids == chunk.block_ids:
+                self.manager.observe(s.seq, mass, len(chunk.token_ids))
+        return logits
 
     def _recover(self, owners: list[EngineSession], exc: Exception) -> list[EngineEvent]:
         """A step failed: fail its responses, rebuild its sessions from their tokens."""

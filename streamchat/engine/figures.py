@@ -28,7 +28,7 @@ def take_snapshot(eng) -> EngineSnapshot:
         sessions_by_residency={t: residency.count(t) for t in TIERS},
         queued_tokens=sum(s.queued_tokens for s in sessions),
         prefix_queried_tokens=mgr.num_prefix_queried_tokens, prefix_hit_tokens=mgr.num_prefix_hit_tokens,
-        evicted_tokens=mgr.num_evicted_tokens, preemptions=sched.preemptions, idle_drops=sched.idle_drops,
+        evicted_tokens=mgr.num_evicted_tokens, evicted_by_policy=dict(mgr.evicted_by_policy), preemptions=sched.preemptions, idle_drops=sched.idle_drops,
         cached_block_evictions=pool.num_cache_evictions, steps=eng.metrics.steps, tokens=eng.metrics.tokens,
         step_seconds=eng.metrics.step_seconds, failed_steps=eng.metrics.failed_steps,
         tiers=_tier_figures(eng.pager, eng.runner.bytes_per_block))

@@ -239,7 +239,7 @@ class Scheduler:
             return
         tokens = list(s.seq.token_ids)
         self.manager.free(s.seq)
-        s.seq = self.manager.new_seq(s.pinned_tokens)
+        s.seq = self.manager.new_seq(s.pinned_tokens, s.seq.eviction)
         if s.busy:
             s.pending.appendleft(Pending(tokens))
         else:
@@ -268,7 +268,7 @@ class Scheduler:
             self.pager.discard(s)  # nothing to page in: the saved KV is of the old prompt
         self.manager.free(s.seq)
         s.pinned_tokens = pinned_tokens
-        s.seq = self.manager.new_seq(pinned_tokens)
+        s.seq = self.manager.new_seq(pinned_tokens, s.seq.eviction)
         s.residency, s.dropped_tokens = Residency.DEVICE, []
         queued = [Pending(p.token_ids[p.done:], p.ticket, p.starts_response) for p in s.pending]
         s.pending.clear()
@@ -281,7 +281,7 @@ class Scheduler:
             return
         tokens = list(s.seq.token_ids)
         self.manager.free(s.seq)
-        s.seq = self.manager.new_seq(s.pinned_tokens)
+        s.seq = self.manager.new_seq(s.pinned_tokens, s.seq.eviction)
         if tokens:
             s.pending.appendleft(Pending(tokens))
 

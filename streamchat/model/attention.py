@@ -7,6 +7,10 @@ per-step plan: everything the same for all layers (tables, lengths, rope
 rows, masks, the split of the chunks, the decode kernels' split buffers) is
 made once by the backend's `plan` and handed to every layer; buffers that
 outlive a step (the torch backend's gather workspace) belong to the backend.
+A step that wants attention mass (h2o eviction) carries a `block_mass`
+accumulator in its plan, (chunks, max_blocks) float32: every layer's
+attention adds its probabilities per block into it (decode rows first).
+Only the torch backend fills it; the Triton backend refuses such a step.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class StepPlan(NamedTuple):
     write: object
     decode: object | None
     prefill: object | None
+    block_mass: torch.Tensor | None = None  # (chunks, max_blocks) float32, added to by every layer
 
 
 class TorchBackend:
@@ -112,10 +117,12 @@ class TorchBackend:
                            kv.k_scale, kv.v_scale)
 
     def decode(self, q: torch.Tensor, kv: LayerKV, plan: StepPlan, scale: float) -> torch.Tensor:
-        return reference.decode(q, kv.key, kv.value, plan.decode, scale, kv.k_scale, kv.v_scale)
+        mass = None if plan.block_mass is None else plan.block_mass[:plan.meta.num_decode]
+        return reference.decode(q, kv.key, kv.value, plan.decode, scale, kv.k_scale, kv.v_scale, mass)
 
     def prefill(self, q: torch.Tensor, kv: LayerKV, plan: StepPlan, scale: float) -> torch.Tensor:
-        return reference.prefill(q, kv.key, kv.value, plan.prefill, scale, kv.k_scale, kv.v_scale)
+        mass = None if plan.block_mass is None else plan.block_mass[plan.meta.num_decode:]
+        return reference.prefill(q, kv.key, kv.value, plan.prefill, scale, kv.k_scale, kv.v_scale, mass)
 
 
 def make_backend(name: str, device: torch.device):
@@ -132,13 +139,18 @@ def make_backend(name: str, device: torch.device):
 
 
 def plan_step(backend, meta: AttentionMetadata, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              dtype: torch.dtype, heads: Heads) -> StepPlan:
+              dtype: torch.dtype, heads: Heads, block_mass: torch.Tensor | None = None) -> StepPlan:
     """The step's plan, made once and handed to every layer's `write` and `attend`.
 
     positions (T,) are the tokens' cache positions; cos/sin (max_pos, D) the
-    model's float32 rotary tables; dtype the model's.
+    model's float32 rotary tables; dtype the model's; block_mass an accumulator
+    for attention mass per chunk and table index (None: not wanted).
     """
-    return StepPlan(meta, *backend.plan(meta, positions, cos, sin, dtype, heads))
+    if block_mass is not None and backend.name != "torch":
+        raise ValueError(f"attention mass per block (h2o eviction) is computed by the torch attention "
+                         f"backend only, not {backend.name!r}; use --attention-backend torch or "
+                         f"--eviction sink_window")
+    return StepPlan(meta, *backend.plan(meta, positions, cos, sin, dtype, heads), block_mass)
 
 
 def attend(backend, q: torch.Tensor, kv: LayerKV, plan: StepPlan, scale: float) -> torch.Tensor:

@@ -116,13 +116,17 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[LayerKV],
-                logits_idx: torch.Tensor | None) -> torch.Tensor | None:
-        """input_ids, positions (T,) -> float32 logits (N, vocab) for the rows in logits_idx."""
+                logits_idx: torch.Tensor | None,
+                block_mass: torch.Tensor | None = None) -> torch.Tensor | None:
+        """input_ids, positions (T,) -> float32 logits (N, vocab) for the rows in logits_idx.
+
+        block_mass (chunks, >= max_blocks) float32, if given, is added every layer's attention
+        mass per chunk and table index (see `attention`)."""
         s = self.shape
         widths = [g.block_tables.shape[1] for g in (meta.decode, meta.prefill) if g is not None]
         cos, sin = self.rope_tables(max(widths, default=1) * meta.block_size)  # every cache position
         heads = Heads(s.num_heads, s.num_kv_heads, s.head_dim)
-        plan = plan_step(self.backend, meta, positions, cos, sin, self.dtype, heads)  # shared by every layer
+        plan = plan_step(self.backend, meta, positions, cos, sin, self.dtype, heads, block_mass)  # every layer
         h = self.embed[input_ids]  # (T, hidden)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         for layer, kv in zip(self.layers, kv_caches):

@@ -137,7 +137,7 @@ class ModelRunner:
         if cache.kv_dtype == "int4" and self.model.backend.name != "torch":
             raise ConfigError("--kv-dtype int4 runs on the torch attention backend only")
         self.bytes_per_token = quant.bytes_per_token(cache.kv_dtype, self.model.dtype, s.num_layers,
-                                                     s.num_kv_heads, s.head_dim)
+                                                     s.num_kv_heads, s.head_dim, cache.block_size)
         self.num_blocks = num_blocks_for(cache, self.bytes_per_token)
         self.kv_caches = [self._layer_pool(cache.kv_dtype) for _ in range(s.num_layers)]
         graphs = cuda_graphs and self.model.device.type == "cuda" and self.model.backend.name == "triton"
@@ -153,11 +153,11 @@ class ModelRunner:
         storage = quant.STORAGE[kv_dtype]
         width = quant.storage_head_dim(kv_dtype, s.head_dim)
         scale_dtype = torch.float16 if kv_dtype == "int4" else torch.float32
-        scale_shape = (*lead, *quant.scale_shape(kv_dtype, s.head_dim))
+        k_shape, v_shape = quant.scale_shapes(kv_dtype, self.block_size, s.num_kv_heads, s.head_dim)
         return LayerKV(torch.zeros(*lead, width, dtype=storage, device=dev),
                        torch.zeros(*lead, width, dtype=storage, device=dev),
-                       torch.ones(scale_shape, dtype=scale_dtype, device=dev),
-                       torch.ones(scale_shape, dtype=scale_dtype, device=dev))
+                       torch.ones(self.num_blocks, *k_shape, dtype=scale_dtype, device=dev),
+                       torch.ones(self.num_blocks, *v_shape, dtype=scale_dtype, device=dev))
 
     @property
     def bytes_per_block(self) -> int:
@@ -173,6 +173,19 @@ class ModelRunner:
             return self.static.run(batch)
         ids, positions, meta, logits_idx = self.prepare(batch)
         return self.model.forward(ids, positions, meta, self.kv_caches, logits_idx)
+
+    def execute_with_mass(self, batch: StepBatch) -> tuple[torch.Tensor | None, list[list[float]]]:
+        """`execute`, and each chunk's attention mass per table index (the h2o scores' input):
+        probabilities summed over heads, layers and the chunk's queries, divided by heads x layers,
+        so each query token adds 1 in all. Torch attention backend only."""
+        ids, positions, meta, logits_idx = self.prepare(batch)
+        chunks = batch.chunks()
+        width = max(len(c.block_ids) for c in chunks)
+        mass = torch.zeros(len(chunks), width, dtype=torch.float32, device=self.model.device)
+        logits = self.model.forward(ids, positions, meta, self.kv_caches, logits_idx, mass)
+        s = self.model.shape
+        rows = mass.div_(s.num_heads * s.num_layers).tolist()
+        return logits, [row[:len(c.block_ids)] for row, c in zip(rows, chunks)]
 
     def prepare(self, batch: StepBatch):
         dev = self.model.device

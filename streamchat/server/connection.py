@@ -323,7 +323,7 @@ def _stats(st: api.SessionStats) -> dict:
     """`streamchat.session.stats` as the wire has it (docs/protocol.md)."""
     return {
         "context_tokens": st.context_tokens, "total_tokens": st.total_tokens,
-        "evicted_tokens": st.evicted_tokens, "cached_tokens": st.cached_tokens,
+        "evicted_tokens": st.evicted_tokens, "eviction": st.eviction, "cached_tokens": st.cached_tokens,
         "blocks": {"owned": st.owned_blocks, "shared": st.shared_blocks,
                    "pool_cached_free": st.pool_cached_free, "pool_free": st.pool_free},
         "prefix": {"queried_tokens": st.prefix_queried_tokens, "hit_tokens": st.prefix_hit_tokens},

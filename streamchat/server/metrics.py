@@ -77,7 +77,7 @@ class _EngineCollector:
         for name, doc, value in (
             ("prefix_query_tokens", "Tokens looked up in the prefix cache", snap.prefix_queried_tokens),
             ("prefix_hit_tokens", "Tokens served from the prefix cache", snap.prefix_hit_tokens),
-            ("evicted_tokens", "Tokens evicted by the sink + window policy", snap.evicted_tokens),
+            ("evicted_tokens", "Tokens evicted from session windows (every policy)", snap.evicted_tokens),
             ("preemptions", "Running sessions preempted for memory", snap.preemptions),
             ("idle_drops", "Idle sessions that gave up their blocks", snap.idle_drops),
             ("cached_block_evictions", "Cached free blocks reused for new data", snap.cached_block_evictions),
@@ -88,6 +88,11 @@ class _EngineCollector:
             ("step_seconds", "Time spent in model steps", snap.step_seconds),
         ):
             yield CounterMetricFamily(f"streamchat_{name}_total", doc, value=value)
+        by_policy = CounterMetricFamily("streamchat_evicted_tokens_by_policy",
+                                        "Tokens evicted from session windows, by eviction policy", labels=["policy"])
+        for policy, value in snap.evicted_by_policy.items():
+            by_policy.add_metric([policy], value)
+        yield by_policy
         if snap.tiers.get("moves") is not None:
             yield from _tier_metrics(snap)
 

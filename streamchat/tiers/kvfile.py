@@ -8,25 +8,28 @@ table order, plus the state that goes with them) and hands one back.
     file  = safetensors: u64 header length | JSON header | tensor bytes
     tensors   key.{layer}, value.{layer}        (num_blocks, block_size, kv_heads, head_dim*)
               k_scale.{layer}, v_scale.{layer}  scales, only for --kv-dtype int8 / fp8 / int4
+                                                (int4 keys: (num_blocks, kv_heads, head_dim), one
+                                                scale per channel per block; see kernels/quant.py)
               row i is the session's block i: cache positions i*block_size .. +block_size-1
               (* head_dim / 2 for int4: two values a byte)
     metadata  "streamchat": the header below, JSON
               "checksum":   "blake2b-128:" + hex over the header JSON and, by name, each
                             tensor's name, dtype, shape and bytes
 
-    header    format "streamchat.kv", version 2, session_id, written_at (unix s),
+    header    format "streamchat.kv", version 3, session_id, written_at (unix s),
               transcript_mark (what the store held when it was written; null if unknown),
               layout: model_fingerprint, model_dtype, kv_dtype, block_size, sink_tokens,
                       window_tokens, pin_system_prompt, num_layers, num_kv_heads, head_dim
               state:  token_ids (cache order: token i sits at cache position i),
                       num_sink_blocks, pinned_tokens, pristine, evicted_tokens,
-                      total_tokens, cached_tokens, queried_tokens
+                      total_tokens, cached_tokens, queried_tokens, eviction,
+                      block_scores (h2o: attention mass per block, table order)
 
 Each key is stored rotated by its offset in its block (0..block_size-1), never
 by its cache position, so the blocks may go back into any physical blocks, in
-this order. Version 1 files held keys before rotary embedding: refused with
-reason "version" (the session is rebuilt from its transcript, as for any file
-that cannot be used).
+this order. Older versions are refused with reason "version" (the session is
+rebuilt from its transcript, as for any file that cannot be used): version 1
+held keys before rotary embedding, version 2 int4 key scales per token.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from pathlib import Path
 import torch
 
 FORMAT = "streamchat.kv"
-VERSION = 2  # 2: keys rotated by their offset in their block; 1: keys before rotary embedding
+VERSION = 3  # 3: int4 key scales per channel per block; 2: keys rotated by their offset in their
+#              block; 1: keys before rotary embedding
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
 FIELDS = ("key", "value", "k_scale", "v_scale")  # LayerKV order
@@ -97,6 +101,8 @@ class SeqState:
     total_tokens: int = 0
     cached_tokens: int = 0
     queried_tokens: int = 0
+    eviction: str = "sink_window"
+    block_scores: list[float] = field(default_factory=list)  # empty: all zero
 
     def num_blocks(self, block_size: int) -> int:
         return -(-len(self.token_ids) // block_size)
@@ -149,10 +155,10 @@ def expected_tensors(layout: KVLayout) -> dict[str, tuple[torch.dtype, tuple[int
     else:
         width = quant.storage_head_dim(layout.kv_dtype, layout.head_dim)
         storage = quant.STORAGE[layout.kv_dtype]
-        scale = (torch.float16 if layout.kv_dtype == "int4" else torch.float32,
-                 (*lead, *quant.scale_shape(layout.kv_dtype, layout.head_dim)))
+        scale_dtype = torch.float16 if layout.kv_dtype == "int4" else torch.float32
+        k_shape, v_shape = quant.scale_shapes(layout.kv_dtype, *lead, layout.head_dim)
         kinds = {"key": (storage, (*lead, width)), "value": (storage, (*lead, width)),
-                 "k_scale": scale, "v_scale": scale}
+                 "k_scale": (scale_dtype, k_shape), "v_scale": (scale_dtype, v_shape)}
     return {f"{name}.{layer}": spec for layer in range(layout.num_layers) for name, spec in kinds.items()}
 
 
@@ -276,10 +282,15 @@ def check_header(header: dict, layout: KVLayout, session_id: str, mark=ANY_MARK)
 def _check_state(state: SeqState, layout: KVLayout) -> None:
     bs = layout.block_size
     tokens = state.token_ids
+    kinds = {"pristine": bool, "eviction": str}
     for f in dataclasses.fields(state):
         value = getattr(state, f.name)
-        if f.name != "token_ids" and type(value) is not (bool if f.name == "pristine" else int):
+        if f.name not in ("token_ids", "block_scores") and type(value) is not kinds.get(f.name, int):
             raise KVFileError("inconsistent", f"{f.name} is {value!r}")
+    scores = state.block_scores
+    if not (isinstance(scores, list) and len(scores) in (0, state.num_blocks(bs))
+            and all(type(x) in (int, float) for x in scores)):
+        raise KVFileError("inconsistent", "block_scores is not one number per block")
     if not (isinstance(tokens, list) and tokens and all(isinstance(t, int) and t >= 0 for t in tokens)):
         raise KVFileError("inconsistent", "token_ids is not a non-empty list of token ids")
     sink_blocks = -(-max(layout.sink_tokens, state.pinned_tokens) // bs)

@@ -58,7 +58,7 @@ class Pager:
         if target is None:
             return False
         self.manager.free(seq)
-        s.seq = self.manager.new_seq(s.pinned_tokens)
+        s.seq = self.manager.new_seq(s.pinned_tokens, s.seq.eviction)
         s.residency, s.dropped_tokens, s.parked = Residency(target), list(state.token_ids), state
         self.moves[("device", target)] += 1
         return True
@@ -170,7 +170,9 @@ class Pager:
         copy_rows(rows, [ids[r] for r in rows])
         seq = SeqCache(block_ids=ids, token_ids=list(tokens), num_sink_blocks=state.num_sink_blocks,
                        pristine=state.pristine, evicted_tokens=state.evicted_tokens,
-                       cached_tokens=state.cached_tokens, queried_tokens=state.queried_tokens)
+                       cached_tokens=state.cached_tokens, queried_tokens=state.queried_tokens,
+                       eviction=state.eviction,
+                       block_scores=[float(x) for x in state.block_scores] or [0.0] * len(ids))
         self.manager.commit(seq)  # registers the copied blocks for reuse, as prefill would
         return seq
 
@@ -237,4 +239,5 @@ class Pager:
 def state_of(s) -> SeqState:
     seq = s.seq
     return SeqState(list(seq.token_ids), seq.num_sink_blocks, s.pinned_tokens, seq.pristine,
-                    seq.evicted_tokens, s.total_tokens, seq.cached_tokens, seq.queried_tokens)
+                    seq.evicted_tokens, s.total_tokens, seq.cached_tokens, seq.queried_tokens,
+                    seq.eviction, list(seq.block_scores))

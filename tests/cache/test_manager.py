@@ -196,3 +196,62 @@ def test_an_append_may_use_the_blocks_its_own_eviction_frees():
     mgr.append(seq, list(range(80, 128)))
     assert len(seq.block_ids) == 1 + 4 and seq.evicted_tokens == 48
     mgr.check([seq])
+
+
+def test_h2o_evicts_the_least_scored_eligible_block_never_sinks_pinned_or_recent():
+    """Under h2o the victim is the lowest-score block between the sink region (sinks + pinned system
+    prompt) and the protected recent blocks, whatever the sink and recent blocks score."""
+    from streamchat.cache.manager import H2O
+
+    pool, mgr = make(sink=4, window=96, eviction="h2o", h2o=H2O(recent_tokens=32))
+    seq = mgr.new_seq(pinned_tokens=20)  # 2 sink blocks: sinks + the pinned prompt
+    mgr.append(seq, list(range(128)))  # 8 blocks: 2 sink, 6 window (full)
+    assert seq.block_ids == [1, 2, 3, 4, 5, 6, 7, 8] and seq.eviction == "h2o"
+    # table idx:         0    1    2    3    4    5     6    7
+    mgr.observe(seq, [0.0, 0.0, 5.0, 0.5, 3.0, 1.0, 0.1, 0.0], num_queries=128)
+    assert mgr.victims(seq, 1) == [3], "idx 0, 1 (sinks), 6, 7 (recent 32 tokens) are protected"
+    mgr.append(seq, [999])
+    assert seq.block_ids == [1, 2, 3, 5, 6, 7, 8, 4], "block 4 (idx 3) left; the tail reuses it"
+    assert seq.token_ids[48:64] == list(range(64, 80)), "a hole in the conversation, none in the table"
+    assert seq.block_scores == [0.0, 0.0, 5.0, 3.0, 1.0, 0.1, 0.0, 0.0]
+    assert seq.evicted_tokens == 16 and mgr.evicted_by_policy == {"sink_window": 0, "h2o": 16}
+    mgr.append(seq, list(range(1000, 1015)))  # fills the new block: 8 blocks full again
+    mgr.append(seq, [7])
+    # idx 6, 7 (blocks 8, 4) are the recent ones now; eligible idx 2..5 score 5, 3, 1, 0.1
+    assert seq.block_ids == [1, 2, 3, 5, 6, 8, 4, 7], "block 7 (idx 5, 0.1) left and came back as the tail"
+    assert seq.block_scores == [0.0, 0.0, 5.0, 3.0, 1.0, 0.0, 0.0, 0.0]
+    mgr.check([seq])
+
+
+def test_h2o_takes_the_oldest_recent_block_when_too_few_are_eligible():
+    """Evicting more blocks than lie outside the recent window goes on with the oldest recent ones."""
+    from streamchat.cache.manager import H2O
+
+    pool, mgr = make(sink=4, window=64, eviction="h2o", h2o=H2O(recent_tokens=32))
+    seq = mgr.new_seq()
+    mgr.append(seq, list(range(80)))  # 1 sink + 4 window blocks; idx 3, 4 recent
+    mgr.observe(seq, [0.0, 2.0, 1.0, 0.0, 0.0], num_queries=80)
+    assert mgr.victims(seq, 1) == [2] and mgr.victims(seq, 3) == [1, 2, 3]
+
+
+def test_h2o_scores_decay_per_query_token():
+    """observe multiplies older mass by decay ** queries, then adds the new mass."""
+    from streamchat.cache.manager import H2O
+
+    pool, mgr = make(eviction="h2o", h2o=H2O(decay=0.5))
+    seq = mgr.new_seq()
+    mgr.append(seq, list(range(32)))
+    mgr.observe(seq, [1.0, 2.0], num_queries=1)
+    mgr.observe(seq, [0.25, 0.0], num_queries=2)
+    assert seq.block_scores == [0.5, 0.5]
+
+
+def test_sink_window_ignores_scores():
+    """The default policy evicts the oldest block after the sinks whatever it scored."""
+    pool, mgr = make(sink=4, window=32)
+    seq = mgr.new_seq()
+    mgr.append(seq, list(range(48)))
+    mgr.observe(seq, [0.0, 9.0, 0.0], num_queries=48)
+    assert seq.eviction == "sink_window" and mgr.victims(seq, 1) == [1]
+    with pytest.raises(ValueError, match="unknown eviction policy 'lru'"):
+        mgr.new_seq(eviction="lru")

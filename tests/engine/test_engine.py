@@ -18,9 +18,10 @@ PROMPTS = [
 ]
 
 
-def make_llm(loaded, num_blocks=512, budget=256, max_running=64, window=2048):
+def make_llm(loaded, num_blocks=512, budget=256, max_running=64, window=2048, eviction="sink_window"):
     cfg = Config(model=ModelConfig(dtype="float32"),
-                 cache=CacheConfig(num_blocks=num_blocks, window_tokens=window),
+                 cache=CacheConfig(num_blocks=num_blocks, window_tokens=window, eviction=eviction,
+                                   h2o_recent_tokens=min(256, window - 32)),
                  # queue timeouts are tested on their own; a slow (shared) machine must not trip them here
                  scheduler=SchedulerConfig(max_tokens_per_step=budget, max_running=max_running,
                                            queue_timeout_s=3600.0))
@@ -85,9 +86,11 @@ def test_batched_with_interleaved_prefill_equals_alone(bundled_fp32, alone):
     assert max(eng.metrics.batch_sizes) <= 40
 
 
-def test_pool_exhaustion_preempts_and_completes_everything(bundled_fp32, alone):
-    """A pool far too small for 16 sessions: all finish correctly, preemptions counted, no leak."""
-    llm = make_llm(bundled_fp32, num_blocks=16, budget=64, window=128)
+@pytest.mark.parametrize("eviction", ["sink_window", "h2o"])
+def test_pool_exhaustion_preempts_and_completes_everything(bundled_fp32, alone, eviction):
+    """A pool far too small for 16 sessions: all finish correctly, preemptions counted, no leak
+    (h2o: the scores' explicit attention gives the same greedy tokens as SDPA)."""
+    llm = make_llm(bundled_fp32, num_blocks=16, budget=64, window=128, eviction=eviction)
     eng = llm.engine
     for i, prompt in enumerate(prompts16()):
         eng.open_session(f"s{i}")

@@ -1,5 +1,7 @@
 """Tests for shared prefix blocks through the engine, on the bundled model."""
 
+import pytest
+
 from streamchat.config import CacheConfig, Config, ModelConfig
 from streamchat.llm import LLM
 
@@ -47,10 +49,12 @@ def test_n_sessions_hold_the_system_prompt_once(bundled_fp32):
     assert eng.manager.num_prefix_hit_tokens == 5 * full * 16
 
 
-def test_sessions_share_their_pinned_prompt_and_evict_only_their_own_blocks(bundled_fp32):
-    """Past the window, each session evicts its own blocks; the shared, pinned prompt stays."""
+@pytest.mark.parametrize("eviction", ["sink_window", "h2o"])
+def test_sessions_share_their_pinned_prompt_and_evict_only_their_own_blocks(bundled_fp32, eviction):
+    """Past the window, each session evicts its own blocks (either policy); the shared, pinned prompt stays."""
     llm = LLM(Config(model=ModelConfig(dtype="float32"),
-                     cache=CacheConfig(num_blocks=200, window_tokens=64)), loaded=bundled_fp32)
+                     cache=CacheConfig(num_blocks=200, window_tokens=64, eviction=eviction,
+                                       h2o_recent_tokens=16)), loaded=bundled_fp32)
     eng = llm.engine
     system_len = len(eng.chat.bos_ids + eng.chat.message("system", SYSTEM))
     pinned_blocks = -(-system_len // 16)

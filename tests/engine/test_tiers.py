@@ -1,4 +1,7 @@
-"""Tests of the session tiers in the engine: idle sessions page out to host and disk and back, exactly."""
+"""Tests of the session tiers in the engine: idle sessions page out to host and disk and back, exactly.
+
+Every test runs under both eviction policies (they differ only in the victim; h2o's scores travel
+with the session through the tiers)."""
 
 import pytest
 import torch
@@ -15,6 +18,11 @@ QUESTIONS = ["Name a planet.", "What colour is the sky?", "Say a word for happy.
 FOLLOW_UPS = ["And another one?", "Why is that?"]
 
 
+@pytest.fixture(scope="module", params=["sink_window", "h2o"])
+def eviction(request):
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     before = torch.get_num_threads()
@@ -23,10 +31,11 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def make_llm(loaded, num_blocks, host_blocks=0, data_dir=None, window=32):
+def make_llm(loaded, num_blocks, eviction, host_blocks=0, data_dir=None, window=32):
     per_block = 2 * 30 * 3 * 64 * 4 * 16  # SmolLM2 in float32: bytes of one 16-token block
     cfg = Config(model=ModelConfig(dtype="float32"),
-                 cache=CacheConfig(num_blocks=num_blocks, window_tokens=window),
+                 cache=CacheConfig(num_blocks=num_blocks, window_tokens=window, eviction=eviction,
+                                   h2o_recent_tokens=window - 32),
                  scheduler=SchedulerConfig(max_tokens_per_step=128),
                  tiers=TierConfig(host_tier_gib=host_blocks * per_block / (1 << 30),
                                   disk_tier_gib=1.0 if data_dir else 0.0,
@@ -63,19 +72,19 @@ def rounds(eng, num_sessions):
 
 
 @pytest.fixture(scope="module")
-def reference(bundled_fp32):
+def reference(bundled_fp32, eviction):
     """The replies with a pool big enough that nothing ever pages out."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return rounds(make_llm(bundled_fp32, num_blocks=200).engine, 5)
+        return rounds(make_llm(bundled_fp32, num_blocks=200, eviction=eviction).engine, 5)
     finally:
         torch.set_num_threads(before)
 
 
-def test_tiny_pool_pages_sessions_through_host_and_disk_exactly(bundled_fp32, reference, tmp_path):
+def test_tiny_pool_pages_sessions_through_host_and_disk_exactly(bundled_fp32, reference, tmp_path, eviction):
     """5 sessions in a pool for 2, a host tier for 1: all go down and come back, every reply the same."""
-    llm = make_llm(bundled_fp32, num_blocks=9, host_blocks=5, data_dir=tmp_path)
+    llm = make_llm(bundled_fp32, num_blocks=9, eviction=eviction, host_blocks=5, data_dir=tmp_path)
     eng = llm.engine
     assert rounds(eng, 5) == reference
     moves = eng.pager.moves
@@ -83,7 +92,11 @@ def test_tiny_pool_pages_sessions_through_host_and_disk_exactly(bundled_fp32, re
     assert moves[("disk", "device")] or moves[("device", "disk")]
     assert eng.scheduler.stats.idle_drops == 0 and eng.scheduler.stats.preemptions == 0
     assert {s.tier for s in eng.sessions.values()} >= {"device"}
-    assert eng.session_stats("s0").evicted_tokens > 0
+    assert eng.session_stats("s0").evicted_tokens > 0 and eng.session_stats("s0").eviction == eviction
+    assert eng.manager.evicted_by_policy[eviction] == eng.manager.num_evicted_tokens > 0
+    if eviction == "h2o":  # every session's scores, in the pool or parked in a tier with its blocks
+        scores = [s.seq.block_scores if s.resident else s.parked.block_scores for s in eng.sessions.values()]
+        assert all(any(x > 0 for x in sc) for sc in scores), scores
     for i in range(5):
         eng.close_session(f"s{i}")
     eng.check()
@@ -94,13 +107,13 @@ def test_tiny_pool_pages_sessions_through_host_and_disk_exactly(bundled_fp32, re
 
 
 
-def test_pristine_sessions_share_prefix_blocks_in_host_and_on_page_in(bundled_fp32):
+def test_pristine_sessions_share_prefix_blocks_in_host_and_on_page_in(bundled_fp32, eviction):
     """Two sessions with one system prompt: one host copy of its blocks, one device copy again after
     a prefetch (a) and an item (b) bring them back, and the same replies as never paged out."""
     system = ("You are a patient assistant. You answer every question in one short sentence, "
               "you never use lists, and you end every answer with a full stop.")
-    big = make_llm(bundled_fp32, num_blocks=200, window=256)
-    small = make_llm(bundled_fp32, num_blocks=200, host_blocks=40, window=256)
+    big = make_llm(bundled_fp32, num_blocks=200, eviction=eviction, window=256)
+    small = make_llm(bundled_fp32, num_blocks=200, eviction=eviction, host_blocks=40, window=256)
     replies = {}
     for llm in (big, small):
         eng = llm.engine
@@ -131,9 +144,9 @@ def test_pristine_sessions_share_prefix_blocks_in_host_and_on_page_in(bundled_fp
     assert all(replies[small, sid, k] == replies[big, sid, k] for sid in "ab" for k in (0, 1))
 
 
-def test_prefetch_of_a_dropped_session_starts_its_rebuild(bundled_fp32):
+def test_prefetch_of_a_dropped_session_starts_its_rebuild(bundled_fp32, eviction):
     """With no tier to take it, an idle session keeps its tokens; a resume queues its rebuild at once."""
-    llm = make_llm(bundled_fp32, num_blocks=200)  # tiers on, but neither host memory nor a disk
+    llm = make_llm(bundled_fp32, num_blocks=200, eviction=eviction)  # tiers on, but neither host memory nor a disk
     eng = llm.engine
     assert eng.pager is None
     eng.open_session("a")

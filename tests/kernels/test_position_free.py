@@ -85,15 +85,26 @@ class Conversation:
 
     def oracle(self, b: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
         """Queries q (n, H, D) at cache positions q_pos (n,) of sequence b, every key rotated by its position."""
+        probs = self.oracle_probs(b, q, q_pos, scale)
+        v = self.values[b].repeat_interleave(q.shape[1] // KV_HEADS, dim=1)
+        return torch.einsum("nhl,lhd->nhd", probs, v)
+
+    def oracle_mass(self, b: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float, width: int) -> torch.Tensor:
+        """Attention probabilities summed over heads and queries per block of cache positions: (width,)."""
+        per_key = self.oracle_probs(b, q, q_pos, scale).sum((0, 1))  # (L,)
+        mass = torch.zeros(width * BLOCK)
+        mass[:per_key.shape[0]] = per_key
+        return mass.view(width, BLOCK).sum(1)
+
+    def oracle_probs(self, b: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
         n_keys = len(self.keys[b])
         pos = torch.arange(n_keys)
         k = dense_rope(self.keys[b], pos, self.cos, self.sin)
         group = q.shape[1] // KV_HEADS
         k = k.repeat_interleave(group, dim=1)  # (L, H, D)
-        v = self.values[b].repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,lhd->nhl", dense_rope(q, q_pos, self.cos, self.sin), k) * scale
         scores = scores.masked_fill(pos[None, None, :] > q_pos[:, None, None], float("-inf"))
-        return torch.einsum("nhl,lhd->nhd", scores.softmax(-1), v)
+        return scores.softmax(-1)  # (n, H, L)
 
 
 LENS = [7 * BLOCK + 5, 2 * BLOCK, 4 * BLOCK + 11]  # after eviction: 3 blocks + 5, 2 blocks, 3 blocks + 11
@@ -154,3 +165,34 @@ def test_block_bytes_do_not_depend_on_table_position():
     assert torch.equal(pools[0], pools[1]) and torch.equal(pools[2], pools[3])
     torch.testing.assert_close(pools[0], dense_rope(k, torch.arange(BLOCK), cos, sin), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(pools[2], pools[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=str)
+def test_reference_block_mass_equals_dense_oracle(kv_dtype):
+    """The attention mass per block that decode and prefill add (h2o's scores) equals the dense oracle's
+    probabilities summed over heads and queries per block, and adds up to heads x queries."""
+    conv = Conversation(LENS, EVICT, kv_dtype, reference.write_kv, seed=2)
+    gen = torch.Generator().manual_seed(8)
+    scale, heads, width = HEAD_DIM ** -0.5, 3 * KV_HEADS, conv.tables.shape[1]
+    tol = 1e-4 if kv_dtype == torch.float32 else 0.02  # int8: the quantized keys move the probabilities
+    q = torch.randn(len(LENS), heads, HEAD_DIM, generator=gen)
+    mass = torch.full((len(LENS), width + 1), 1.0)  # added to, not overwritten
+    reference.paged_decode_attention(q, conv.key, conv.value, conv.tables, conv.seq_lens, conv.cos, conv.sin,
+                                     scale, **conv.scales(), block_mass=mass)
+    for b in range(len(LENS)):
+        want = conv.oracle_mass(b, q[b:b + 1], conv.seq_lens[b:b + 1].long() - 1, scale, width)
+        torch.testing.assert_close(mass[b, :width] - 1, want, atol=tol, rtol=tol)
+        assert mass[b, width] == 1 and abs(float(mass[b].sum()) - (width + 1) - heads) < 1e-4
+    chunks = [17, 1, 30]
+    cu = torch.tensor([0, 17, 18, 48], dtype=torch.int32)
+    q = torch.randn(sum(chunks), heads, HEAD_DIM, generator=gen)
+    mass = torch.zeros(len(LENS), width)
+    out = reference.paged_prefill_attention(q, conv.key, conv.value, conv.tables, conv.seq_lens, cu, conv.cos,
+                                            conv.sin, scale, **conv.scales(), block_mass=mass)
+    plain = reference.paged_prefill_attention(q, conv.key, conv.value, conv.tables, conv.seq_lens, cu, conv.cos,
+                                              conv.sin, scale, **conv.scales())
+    torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)  # explicit attention = SDPA's
+    for b, n in enumerate(chunks):
+        q_pos = torch.arange(int(conv.seq_lens[b]) - n, int(conv.seq_lens[b]))
+        want = conv.oracle_mass(b, q[cu[b]:cu[b + 1]], q_pos, scale, width)
+        torch.testing.assert_close(mass[b], want, atol=tol * n, rtol=tol)

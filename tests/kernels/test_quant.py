@@ -54,9 +54,9 @@ def test_attention_over_a_quantized_pool_is_close_to_unquantized(kv_dtype, tol):
     storage = STORAGES[kv_dtype]
     width = quant.storage_head_dim(kv_dtype, d)
     qk, qv = torch.zeros(nb, bs, kvh, width, dtype=storage), torch.zeros(nb, bs, kvh, width, dtype=storage)
-    sshape = (nb, bs, kvh, *quant.scale_shape(kv_dtype, d))
+    kshape, vshape = quant.scale_shapes(kv_dtype, bs, kvh, d)
     sdt = torch.float16 if kv_dtype == "int4" else torch.float32
-    ks, vs = torch.ones(sshape, dtype=sdt), torch.ones(sshape, dtype=sdt)
+    ks, vs = torch.ones(nb, *kshape, dtype=sdt), torch.ones(nb, *vshape, dtype=sdt)
     reference.write_kv(qk, qv, k, v, slots, cos, sin, ks, vs)  # quantized after the rotation
     q = torch.randn(2, h, d) * 0.3  # scores of the spread real models show, not one-hot softmax
     tables = torch.tensor([[0, 3, 5, 7, 9, 11], [1, 2, 4, 6, 8, 10]], dtype=torch.int32)
@@ -67,19 +67,96 @@ def test_attention_over_a_quantized_pool_is_close_to_unquantized(kv_dtype, tol):
     assert err < tol, err
 
 
-@pytest.mark.parametrize("kv_dtype,per_head", [("auto", 128), ("int8", 68), ("fp8", 68), ("int4", 36)])
+@pytest.mark.parametrize("kv_dtype,per_head", [("auto", 128), ("int8", 68), ("fp8", 68), ("int4", 38)])
 def test_bytes_per_token_and_pool_capacity_are_exact(kv_dtype, per_head):
-    """SmolLM2 shape (30 layers, 3 KV heads, dim 64, bf16): bytes per token and blocks in 1 GiB."""
+    """SmolLM2 shape (30 layers, 3 KV heads, dim 64, bf16): bytes per token and blocks in 1 GiB.
+
+    int4: keys 32 bytes + a float16 scale per channel per block of 16 (8 bytes a token), values
+    32 bytes + two float16 scales per token: 76 bytes per head for K and V."""
     from streamchat.model.runner import num_blocks_for
 
     per_token = quant.bytes_per_token(kv_dtype, torch.bfloat16, 30, 3, 64)
     assert per_token == 2 * 30 * 3 * per_head
     blocks = num_blocks_for(CacheConfig(kv_dtype=kv_dtype, kv_memory_gib=1.0), per_token)
     assert blocks == (1 << 30) // (per_token * 16)
-    assert {"auto": 2912, "int8": 5482, "fp8": 5482, "int4": 10356}[kv_dtype] == blocks
+    assert {"auto": 2912, "int8": 5482, "fp8": 5482, "int4": 9811}[kv_dtype] == blocks
 
 
 def test_bad_kv_dtype_lists_the_choices():
     """--kv-dtype int3 is refused with the list of choices."""
     with pytest.raises(ConfigError, match="kv_dtype must be one of auto, int8, fp8, int4; got 'int3'"):
         CacheConfig(kv_dtype="int3").validate()
+
+
+def int4_pool(nb=4, bs=16, kvh=3, d=64):
+    cos, sin = torch.ones(bs, d), torch.zeros(bs, d)  # no rotation: stored keys are the inputs
+    kshape, vshape = quant.scale_shapes("int4", bs, kvh, d)
+    pool = (torch.zeros(nb, bs, kvh, d // 2, dtype=torch.uint8), torch.zeros(nb, bs, kvh, d // 2, dtype=torch.uint8))
+    return pool, (torch.ones(nb, *kshape, dtype=torch.float16), torch.ones(nb, *vshape, dtype=torch.float16)), cos, sin
+
+
+def stored_keys(pool, scales, block):
+    return quant.dequantize_channels(pool[0][block:block + 1], scales[0][block:block + 1], torch.float32)[0]
+
+
+def test_int4_keys_get_one_scale_per_channel_per_block():
+    """A block written at once: scale = max over its tokens of each channel / 7; error within half a step."""
+    pool, scales, cos, sin = int4_pool()
+    x = keys(16)
+    reference.write_kv(*pool, x, x, torch.arange(16, 32), cos, sin, *scales)
+    amax = x.abs().amax(0)  # (KVH, D)
+    assert torch.equal(scales[0][1], (amax / 7).half())
+    step = scales[0][1].float()
+    assert ((stored_keys(pool, scales, 1) - x).abs() <= step / 2 + 1e-3 * amax).all()
+    assert torch.equal(scales[0][0], torch.ones(3, 64, dtype=torch.float16))  # other blocks untouched
+
+
+def test_token_by_token_int4_keys_equal_one_write_when_the_scale_never_grows():
+    """Decode writes re-quantize the block; while no channel's max grows, the bytes equal a single write."""
+    x = keys(16)
+    x[0] = x.abs().amax(0) * torch.sign(torch.randn(3, 64))  # the first token holds every channel's max
+    once, once_scales, cos, sin = int4_pool()
+    reference.write_kv(*once, x, x, torch.arange(32, 48), cos, sin, *once_scales)
+    steps, step_scales, _, _ = int4_pool()
+    for i in range(16):
+        reference.write_kv(*steps, x[i:i + 1], x[i:i + 1], torch.tensor([32 + i]), cos, sin, *step_scales)
+    assert torch.equal(steps[0], once[0]) and torch.equal(step_scales[0], once_scales[0])
+    assert torch.equal(steps[1], once[1]) and torch.equal(step_scales[1], once_scales[1])
+
+
+def test_int4_key_scale_grows_with_later_tokens_and_ignores_stale_rows():
+    """A later, larger token raises its channels' scale (no clipping); rows past the last written one
+    (a previous owner's tokens) never enter the max."""
+    pool, scales, cos, sin = int4_pool()
+    big = torch.full((16, 3, 64), 100.0)
+    reference.write_kv(*pool, big, big, torch.arange(16, 32), cos, sin, *scales)  # block 1, then reused
+    small = torch.full((1, 3, 64), 0.5)
+    reference.write_kv(*pool, small, small, torch.tensor([16]), cos, sin, *scales)
+    assert torch.allclose(scales[0][1].float(), torch.full((3, 64), 0.5 / 7), rtol=1e-3)
+    larger = torch.full((1, 3, 64), 2.0)
+    reference.write_kv(*pool, larger, larger, torch.tensor([17]), cos, sin, *scales)
+    got = stored_keys(pool, scales, 1)[:2]
+    assert torch.allclose(got, torch.cat([small, larger]), atol=2.0 / 14 + 1e-3)
+
+
+def test_prefill_and_decode_read_int4_blocks_as_their_dequantized_values():
+    """Prefill and decode over an int4 pool (packed to head_dim / 2, per-channel key scales) equal the same
+    attention over a float pool holding the dequantized keys and values."""
+    nb, bs, kvh, d, h = 4, 16, 3, 64, 9
+    k, v = keys(40, kvh, d, 3), keys(40, kvh, d, 4)
+    t = torch.arange(64, dtype=torch.float32)
+    freqs = torch.outer(t, 1.0 / (10000 ** (torch.arange(0, d, 2) / d)))
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    (qk, qv), (ks, vs), _, _ = int4_pool(nb, bs, kvh, d)
+    reference.write_kv(qk, qv, k, v, torch.arange(16, 56), cos, sin, ks, vs)
+    fk = quant.dequantize_channels(qk, ks, torch.float32)  # as stored: rotated by block offset
+    fv = quant.dequantize(qv, vs, torch.float32)
+    q = torch.randn(40, h, d, generator=torch.Generator().manual_seed(9))
+    tables, lens = torch.tensor([[1, 2, 3]], dtype=torch.int32), torch.tensor([40], dtype=torch.int32)
+    args = (tables, lens, torch.tensor([0, 40], dtype=torch.int32), cos, sin, d ** -0.5)
+    want = reference.paged_prefill_attention(q, fk, fv, *args)
+    got = reference.paged_prefill_attention(q, qk, qv, *args, ks, vs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    want = reference.paged_decode_attention(q[-1:], fk, fv, tables, lens, cos, sin, d ** -0.5)
+    got = reference.paged_decode_attention(q[-1:], qk, qv, tables, lens, cos, sin, d ** -0.5, ks, vs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
