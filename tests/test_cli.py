@@ -27,6 +27,9 @@ def run(argv, capsys):
     (["generate", "hi", "--num-blocks", "abc"], "--num-blocks: cannot read 'abc' as int"),
     (["generate", "hi", "--max-tokens", "0"], "--max-tokens must be positive"),
     (["generate", "hi", "--temperature", "5"], "temperature must be in [0, 2]"),
+    (["generate", "hi", "--repetition-penalty", "0"], "repetition_penalty must be in (0, 10]"),
+    (["generate", "hi", "--frequency-penalty", "nan"], "frequency_penalty must be in [-2, 2]"),
+    (["generate", "hi", "--min-p", "1.5"], "min_p must be in [0, 1]"),
     (["generate", "hi", "--num-blocks", "8"], "KV pool has only 7"),
     (["serve", "--min-prefill-share", "-1"], "min_prefill_share must be in [0, 10], got -1.0"),
     (["serve", "--port", "70000"], "port must be 0..65535"),
@@ -109,6 +112,16 @@ def test_bad_toml_is_a_config_error(tmp_path):
 
 
 def test_generate_prints_a_reply(capsys):
-    """`streamchat generate` prints the model's reply on stdout."""
-    assert main(["generate", "What is the capital of France?", "--max-tokens", "12", "--dtype", "float32"]) == 0
+    """`streamchat generate` prints the model's reply on stdout (greedy here, so it is always the same)."""
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "12", "--dtype", "float32",
+                 "--temperature", "0"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_generate_takes_every_sampling_flag(capsys):
+    """Every sampling flag is accepted, and the reply is printed."""
+    argv = ["generate", "What is the capital of France?", "--max-tokens", "12", "--dtype", "float32",
+            "--temperature", "0", "--top-p", "0.9", "--top-k", "40", "--min-p", "0.05", "--seed", "1",
+            "--frequency-penalty", "0.2", "--presence-penalty", "0.1", "--repetition-penalty", "1.1"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip()
