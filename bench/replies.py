@@ -18,10 +18,7 @@ Settings: `greedy` (temperature 0: today's default before issue #16),
 generation_config.json, else DEFAULT_PARAMS), and any --try NAME:FIELD=V,...
 (SamplingParams fields over greedy's zeros).
 
-Penalties need each row's history. Until the engine passes it to `sample`
-(the change is in the penalties report), this bench supplies it: it wraps the
-engine module's `sample` and finds each row's session by its response's
-generator, which is why every setting here runs seeded.
+Sampled settings run seeded (0..--seeds-1), so a run can be repeated.
 
 Prints a table, then one JSON line. Never asserts; exits 0.
 """
@@ -38,7 +35,6 @@ import common  # noqa: E402
 common.passive_omp()  # as the daemon does, before torch starts
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -67,34 +63,6 @@ def distinct2(ids: list[int]) -> float | None:
     """Distinct bigrams / bigrams; None for a reply under two tokens."""
     bigrams = list(zip(ids, ids[1:]))
     return len(set(bigrams)) / len(bigrams) if bigrams else None
-
-
-@contextlib.contextmanager
-def engine_history(llm):
-    """Hands `sample` each row's TokenHistory, found through the row's generator (seeded rows only)."""
-    import streamchat.engine.engine as engine_module
-    from streamchat.model.sampling import REPETITION_WINDOW, TokenHistory
-
-    original = engine_module.sample
-
-    def sample_with_history(logits, params, generators, history=None):
-        if history is None:  # an engine that already passes it is left alone
-            owners = {id(s.response.generator): s for s in llm.engine.sessions.values()
-                      if s.response is not None and s.response.generator is not None}
-            history = []
-            for p, gen in zip(params, generators):
-                s = owners.get(id(gen)) if gen is not None else None
-                if s is None and p.penalized:
-                    raise RuntimeError("a penalized row runs unseeded: the bench cannot find its history")
-                history.append(TokenHistory(s.seq.token_ids[-REPETITION_WINDOW:], s.response.output_ids)
-                               if s is not None else TokenHistory((), ()))
-        return original(logits, params, generators, history)
-
-    engine_module.sample = sample_with_history
-    try:
-        yield
-    finally:
-        engine_module.sample = original
 
 
 def run_setting(llm, prompts: list[str], params, tokens: int, seeds: list[int]) -> dict:
@@ -175,15 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     settings += args.tries
     prompts, seeds = PROMPTS[:args.prompts], list(range(args.seeds))
     results = {}
-    with engine_history(llm):
-        for name, params in settings:
-            print(f"{name}: {params}", file=sys.stderr, flush=True)
-            r = results[name] = run_setting(llm, prompts, params, args.tokens, seeds)
-            print(f"  {name}: loops {r['loops']:g} of {len(prompts)}, mean distinct-2 "
-                  f"{_d2({'distinct2': r['distinct2_mean']})}", file=sys.stderr, flush=True)
-            if args.show:
-                for prompt, row in zip(prompts, r["per_prompt"]):
-                    print(f"--- {name}: {prompt}\n{row['text']}", file=sys.stderr, flush=True)
+    for name, params in settings:
+        print(f"{name}: {params}", file=sys.stderr, flush=True)
+        r = results[name] = run_setting(llm, prompts, params, args.tokens, seeds)
+        print(f"  {name}: loops {r['loops']:g} of {len(prompts)}, mean distinct-2 "
+              f"{_d2({'distinct2': r['distinct2_mean']})}", file=sys.stderr, flush=True)
+        if args.show:
+            for prompt, row in zip(prompts, r["per_prompt"]):
+                print(f"--- {name}: {prompt}\n{row['text']}", file=sys.stderr, flush=True)
     print_table(prompts, results)
     for r in results.values():
         for row in r["per_prompt"]:

@@ -8,7 +8,6 @@ and never imports torch.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from streamchat.config import ConfigError
@@ -60,16 +59,20 @@ def _serve_parser(sub) -> None:
 
     p = sub.add_parser("serve", help="run the daemon")
     settings.add_flags(p)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
+    p.add_argument("--log-format", default="text", choices=("text", "json"),
+                   help="json: one object per line, with each record's fields (for log collectors)")
     p.set_defaults(func=_cmd_serve)
 
 
 def _cmd_serve(args) -> int:
-    from streamchat import settings
+    from streamchat import logs, settings
     from streamchat.server.app import run
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(settings.load(args))
+    config = settings.load(args)  # a bad setting fails before any log line
+    logs.setup(args.log_level, args.log_format)
+    return run(config)
 
 
 def _eval_parser(sub) -> None:
