@@ -32,11 +32,18 @@ from typing import NamedTuple
 
 import torch
 
-from streamchat.model.sampling_params import (  # noqa: F401 - re-exported: the sampler's public names
+from streamchat.model.sampling_params import (
     DEFAULT_PARAMS, INT64_MAX, INT64_MIN, PENALTY_MAX, REPETITION_PENALTY_MAX, REPETITION_WINDOW,
     SAMPLING_FIELDS, SEED_MAX, SEED_MIN, TEMPERATURE_FLOOR, TEMPERATURE_MAX, TOP_K_MAX, SamplingParams,
     load_model_defaults, resolve_params,
 )
+
+__all__ = [  # the sampler's own names, and the params' re-exported for its callers
+    "TokenHistory", "make_generator", "sample", "apply_penalties", "FLOAT32_MAX",
+    "DEFAULT_PARAMS", "INT64_MAX", "INT64_MIN", "PENALTY_MAX", "REPETITION_PENALTY_MAX", "REPETITION_WINDOW",
+    "SAMPLING_FIELDS", "SEED_MAX", "SEED_MIN", "TEMPERATURE_FLOOR", "TEMPERATURE_MAX", "TOP_K_MAX",
+    "SamplingParams", "load_model_defaults", "resolve_params",
+]
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
