@@ -19,7 +19,9 @@ Available commands:
   /set system <text>     set the system instructions (pinned, never evicted)
   /set max_tokens N      limit each reply to N tokens
   /set temperature X     sampling temperature (0 is greedy)
-  /set top_p X | top_k N | seed N
+  /set top_p X | top_k N | seed N | min_p X
+  /set frequency_penalty X | presence_penalty X    in [-2, 2]; 0 is off
+  /set repetition_penalty X                        in (0, 10]; 1 is off
   /show session|system|stats|settings
   /clear                 start a new session with the same instructions
   /regen                 generate another reply to the conversation so far
@@ -39,6 +41,10 @@ _SETTINGS: dict[str, Callable[[str], Value]] = {
     "top_p": lambda s: _unit_float(s),
     "top_k": lambda s: _positive_int(s),
     "seed": lambda s: _int(s),
+    "min_p": lambda s: _ranged_float(s, 0.0, 1.0),
+    "frequency_penalty": lambda s: _ranged_float(s, -2.0, 2.0),
+    "presence_penalty": lambda s: _ranged_float(s, -2.0, 2.0),
+    "repetition_penalty": lambda s: _ranged_float(s, 0.0, 10.0, low_open=True),
 }
 _SHOW = ("session", "system", "stats", "settings")
 _ALIASES = {"?": "help", "help": "help", "bye": "bye", "exit": "bye", "quit": "bye",
@@ -169,4 +175,11 @@ def _unit_float(text: str) -> float:
     value = _float(text)
     if not 0 < value <= 1:
         raise ValueError(f"must be in (0, 1], not {text}")
+    return value
+
+
+def _ranged_float(text: str, low: float, high: float, *, low_open: bool = False) -> float:
+    value = _float(text)
+    if not ((low < value if low_open else low <= value) and value <= high):
+        raise ValueError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}], not {text}")
     return value

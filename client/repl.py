@@ -20,7 +20,9 @@ from .sessions import SavedSession
 
 EXIT_HINT = "Use Ctrl-D or /bye to exit."
 OPTION_NAMES = {"max_tokens": "max_output_tokens", "temperature": "temperature",
-                "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
+                "top_p": "top_p", "top_k": "top_k", "seed": "seed", "min_p": "min_p",
+                "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+                "repetition_penalty": "repetition_penalty"}
 
 
 class Reader(Protocol):

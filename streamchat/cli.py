@@ -8,7 +8,6 @@ and never imports torch.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from streamchat.config import ConfigError
@@ -21,10 +20,15 @@ def _generate_parser(sub) -> None:
     p.add_argument("prompt", help="the user message")
     p.add_argument("--system", default="", help="system prompt")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    sampling = p.add_argument_group("sampling", "unset: the model's defaults, as the daemon serves them")
+    sampling.add_argument("--temperature", type=float, help="0 is greedy")
+    sampling.add_argument("--top-p", type=float)
+    sampling.add_argument("--top-k", type=int, help="0 is off")
+    sampling.add_argument("--min-p", type=float, help="0 is off")
+    sampling.add_argument("--frequency-penalty", type=float, help="in [-2, 2]; 0 is off")
+    sampling.add_argument("--presence-penalty", type=float, help="in [-2, 2]; 0 is off")
+    sampling.add_argument("--repetition-penalty", type=float, help="in (0, 10]; 1 is off")
+    sampling.add_argument("--seed", type=int)
     settings.add_flags(p, ("model", "cache"))
     p.set_defaults(func=_cmd_generate)
 
@@ -32,18 +36,19 @@ def _generate_parser(sub) -> None:
 def _cmd_generate(args) -> int:
     from streamchat import settings
     from streamchat.llm import LLM
-    from streamchat.model.sampling import SamplingParams
+    from streamchat.model.sampling_params import DEFAULT_PARAMS, SAMPLING_FIELDS, resolve_params
 
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty")
     if args.max_tokens <= 0:
         raise ConfigError(f"--max-tokens must be positive, got {args.max_tokens}")
-    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    flags = {name: getattr(args, name) for name in SAMPLING_FIELDS}
     try:
-        params.validate()
+        resolve_params(DEFAULT_PARAMS, {}, flags)  # refuse a bad flag before the model loads
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     llm = LLM(settings.load(args))
+    params = resolve_params(llm.default_params, {}, flags)
     [reply] = llm.chat([args.prompt], args.max_tokens, args.system, params)
     print(reply.text)
     return 0
@@ -54,16 +59,20 @@ def _serve_parser(sub) -> None:
 
     p = sub.add_parser("serve", help="run the daemon")
     settings.add_flags(p)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
+    p.add_argument("--log-format", default="text", choices=("text", "json"),
+                   help="json: one object per line, with each record's fields (for log collectors)")
     p.set_defaults(func=_cmd_serve)
 
 
 def _cmd_serve(args) -> int:
-    from streamchat import settings
+    from streamchat import logs, settings
     from streamchat.server.app import run
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(settings.load(args))
+    config = settings.load(args)  # a bad setting fails before any log line
+    logs.setup(args.log_level, args.log_format)
+    return run(config)
 
 
 def _eval_parser(sub) -> None:

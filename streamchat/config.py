@@ -155,6 +155,9 @@ class ServerConfig:
     # Host header names (no port) accepted besides loopback ones while bound to
     # a loopback address: the guard against DNS rebinding.
     allowed_hosts: tuple[str, ...] = ()
+    # Names a client may give as `model` (as vLLM's --served-model-name); empty: the
+    # model's own name. "*" among them accepts any name (this daemon serves one model).
+    served_model_name: tuple[str, ...] = ()
     max_frame_bytes: int = 1 << 20
     max_text_chars: int = 200_000  # one item or append
     max_output_tokens: int = 4096
@@ -168,6 +171,11 @@ class ServerConfig:
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0..65535, got {self.port}")
+        for name in self.served_model_name:
+            if not name.strip() or name != name.strip():
+                raise ConfigError(f"served_model_name: {name!r} is not a model name (empty or padded)")
+        if len(set(self.served_model_name)) != len(self.served_model_name):
+            raise ConfigError(f"served_model_name names one model twice: {list(self.served_model_name)}")
         for name in ("max_frame_bytes", "max_text_chars", "max_output_tokens",
                      "max_sessions_per_connection", "max_connections", "send_queue_events",
                      "max_append_item_chars"):

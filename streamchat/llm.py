@@ -17,7 +17,7 @@ from streamchat.engine.api import EngineError, Usage
 from streamchat.engine.engine import Engine
 from streamchat.engine.events import ResponseFinished, TextDelta
 from streamchat.model.runner import ModelRunner, load_model
-from streamchat.model.sampling import SamplingParams
+from streamchat.model.sampling import SamplingParams, load_model_defaults
 
 
 @dataclass
@@ -44,6 +44,12 @@ class LLM:
     @property
     def tokenizer(self):
         return self.loaded.tokenizer
+
+    @property
+    def default_params(self) -> SamplingParams:
+        """What the daemon samples with when nobody asks otherwise (`chat` and `respond` stay greedy
+        unless given params): the model folder's generation_config.json, else DEFAULT_PARAMS."""
+        return load_model_defaults(self.loaded.source.folder)
 
     def chat(self, prompts: list[str], max_tokens: int = 64, system: str = "",
              params: SamplingParams | None = None, stop: tuple[str, ...] = ()) -> list[Reply]:

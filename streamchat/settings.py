@@ -32,6 +32,8 @@ HELP = {
     "database_url": "SQLAlchemy URL of the session store",
     "allowed_origins": "comma-separated Origin allow-list; empty: no Origin or the daemon's own; '*': any (unsafe)",
     "allowed_hosts": "comma-separated Host names accepted besides loopback ones when bound to loopback",
+    "served_model_name": "a name clients may give as `model` (repeatable or comma-separated; default: the "
+                         "model's own name; '*': accept any name)",
     "api_key": "require `Authorization: Bearer KEY` on the websocket handshake",
     "num_blocks": "KV pool blocks (0: size the pool from --kv-memory-gib)",
     "host_tier_gib": "host memory for idle sessions' KV blocks (pinned on CUDA; 0: off)",
@@ -88,8 +90,9 @@ def add_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple
             flag = _flag_name(section, f.name)
             if flag in skip:
                 continue
+            many = typing.get_origin(_field_type(SECTIONS[section], f)) is tuple  # repeatable, or a, b, c
             group.add_argument("--" + flag.replace("_", "-"), dest=f"{section}.{f.name}", default=None,
-                               metavar=flag.split("_")[-1].upper(),
+                               action="append" if many else "store", metavar=flag.split("_")[-1].upper(),
                                help=f"{HELP.get(flag, '')} (env STREAMCHAT_{flag.upper()}; default {f.default!r})")
 
 
@@ -105,6 +108,8 @@ def load(args: argparse.Namespace | None = None, environ: typing.Mapping[str, st
         for f in dataclasses.fields(cls):
             flag = _flag_name(section, f.name)
             raw = flags.get(f"{section}.{f.name}")
+            if isinstance(raw, list):  # a repeated flag: each may hold a comma-separated list too
+                raw = ",".join(raw)
             if raw is None:
                 raw = environ.get(f"STREAMCHAT_{flag.upper()}")
             if raw is None:

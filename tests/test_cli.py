@@ -27,9 +27,13 @@ def run(argv, capsys):
     (["generate", "hi", "--num-blocks", "abc"], "--num-blocks: cannot read 'abc' as int"),
     (["generate", "hi", "--max-tokens", "0"], "--max-tokens must be positive"),
     (["generate", "hi", "--temperature", "5"], "temperature must be in [0, 2]"),
+    (["generate", "hi", "--repetition-penalty", "0"], "repetition_penalty must be in (0, 10]"),
+    (["generate", "hi", "--frequency-penalty", "nan"], "frequency_penalty must be in [-2, 2]"),
+    (["generate", "hi", "--min-p", "1.5"], "min_p must be in [0, 1]"),
     (["generate", "hi", "--num-blocks", "8"], "KV pool has only 7"),
     (["serve", "--min-prefill-share", "-1"], "min_prefill_share must be in [0, 10], got -1.0"),
     (["serve", "--port", "70000"], "port must be 0..65535"),
+    (["serve", "--served-model-name", "a", "--served-model-name", "a"], "served_model_name names one model twice"),
     (["serve", "--config", "/no/file.toml"], "cannot read config file /no/file.toml"),
 ])
 def test_bad_input_is_one_clear_line(argv, message, capsys):
@@ -109,6 +113,49 @@ def test_bad_toml_is_a_config_error(tmp_path):
 
 
 def test_generate_prints_a_reply(capsys):
-    """`streamchat generate` prints the model's reply on stdout."""
-    assert main(["generate", "What is the capital of France?", "--max-tokens", "12", "--dtype", "float32"]) == 0
+    """`streamchat generate` prints the model's reply on stdout (greedy here, so it is always the same)."""
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "12", "--dtype", "float32",
+                 "--temperature", "0"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_generate_takes_every_sampling_flag(capsys):
+    """Every sampling flag is accepted, and the reply is printed."""
+    argv = ["generate", "What is the capital of France?", "--max-tokens", "12", "--dtype", "float32",
+            "--temperature", "0", "--top-p", "0.9", "--top-k", "40", "--min-p", "0.05", "--seed", "1",
+            "--frequency-penalty", "0.2", "--presence-penalty", "0.1", "--repetition-penalty", "1.1"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_served_model_name_is_repeatable_and_comma_separated():
+    """--served-model-name a --served-model-name b,c gives three names; the variable takes a list;
+    other list flags repeat the same way."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    settings.add_flags(p, ("server",))
+    args = p.parse_args(["--served-model-name", "a", "--served-model-name", "b,c", "--allowed-hosts", "x",
+                         "--allowed-hosts", "y"])
+    cfg = settings.load(args, {})
+    assert cfg.server.served_model_name == ("a", "b", "c") and cfg.server.allowed_hosts == ("x", "y")
+    assert settings.load(p.parse_args([]), {}).server.served_model_name == ()
+    env = {"STREAMCHAT_SERVED_MODEL_NAME": "gpt-realtime,*"}
+    assert settings.load(p.parse_args([]), env).server.served_model_name == ("gpt-realtime", "*")
+    from streamchat.config import ServerConfig
+
+    with pytest.raises(ConfigError, match="served_model_name: ' a' is not a model name"):
+        ServerConfig(served_model_name=(" a",)).validate()
+
+
+def test_serve_log_flags_are_checked(capsys):
+    """--log-format takes text or json, --log-level a level name; anything else is an argparse error."""
+    from streamchat.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--log-format", "json", "--log-level", "debug"])
+    assert (args.log_format, args.log_level) == ("json", "DEBUG")
+    for argv in (["serve", "--log-format", "xml"], ["serve", "--log-level", "chatty"]):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(argv)
+        assert exc.value.code == 2
+    assert "invalid choice: 'xml'" in capsys.readouterr().err

@@ -28,7 +28,7 @@ from streamchat.engine.metrics import EngineMetrics
 from streamchat.engine.scheduler import Scheduler
 from streamchat.engine.session import EngineSession, Pending, Phase, Response
 from streamchat.engine.tiering import Tiering
-from streamchat.model.sampling import SamplingParams, make_generator, sample
+from streamchat.model.sampling import REPETITION_WINDOW, SamplingParams, TokenHistory, make_generator, sample
 from streamchat.text.chat import ChatFormat
 from streamchat.text.detok import IncrementalDetokenizer
 from streamchat.tiers import build_pager
@@ -334,7 +334,7 @@ class Engine:
             samplers = [o for o, c in zip(sched.owners, sched.batch.chunks()) if c.want_logits]
             if samplers:
                 tokens = sample(logits, [o.response.params for o in samplers],
-                                [o.response.generator for o in samplers])
+                                [o.response.generator for o in samplers], _histories(samplers))
                 for s, token in zip(samplers, tokens):
                     events += self._on_token(s, token)
             elapsed = time.perf_counter() - started
@@ -446,6 +446,19 @@ class Engine:
         self.manager.check([s.seq for s in self.sessions.values()])
         if self.pager is not None:
             self.pager.check(self.sessions.values())
+
+
+def _histories(samplers: list[EngineSession]) -> list[TokenHistory] | None:
+    """What each sampling row has seen, for the rows whose params penalize it (None: no row does).
+
+    The context's tail already ends with the token placed this step; the reply's
+    tokens are its output so far. Rows without penalties get an empty history.
+    """
+    if not any(s.response.params.penalized for s in samplers):
+        return None
+    empty = TokenHistory((), ())
+    return [TokenHistory(s.seq.token_ids[-REPETITION_WINDOW:], s.response.output_ids)
+            if s.response.params.penalized else empty for s in samplers]
 
 
 def _eos_ids(hf_config, tokenizer) -> set[int]:

@@ -88,7 +88,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if weights == "auto":
         weights = _auto(cfg, source, device, dtype, build, tokenizer)
     loaded = build(weights)
-    log.info("loaded %s (%s, %s weights, %s, %s attention)", source.name, dtype, weights, device, backend.name)
+    log.debug("loaded %s (%s, %s weights, %s, %s attention)", source.name, dtype, weights, device, backend.name)
     return loaded
 
 

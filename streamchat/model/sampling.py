@@ -1,77 +1,63 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p, seeded.
+"""Choosing the next token from logits: penalties, greedy, temperature, min-p, top-k, top-p, seeded.
 
-Owns the per-request sampling parameters, the ranges they may take, a
-generator per seeded request, and the numeric rules that make every admitted
-value safe ("Sampling numbers" in docs/protocol.md). It knows nothing of
-sessions, the scheduler or the wire. The protocol parser is torch-free, so it
-repeats the ranges below; a test keeps the two copies equal.
+Owns the numeric rules that make every admitted value safe ("Sampling
+numbers" in docs/protocol.md) and a generator per seeded request. The params
+themselves, their ranges and defaults live in the torch-free
+`streamchat.model.sampling_params` (re-exported here). It knows nothing of
+sessions, the scheduler or the wire: a caller that wants penalties hands
+each row its `TokenHistory`.
 
 Rules, all enforced here whatever the parser let through:
 
-- `validate()` admits temperature in [0, 2], top_p in (0, 1], top_k an int
-  in [0, 2^63-1] (0: off; beyond the vocabulary: the whole vocabulary) and
-  seed None or an int in [-2^63, 2^63-1]; NaN, infinities and bools are
-  refused.
-- A temperature below TEMPERATURE_FLOOR is greedy: exactly argmax.
+- A row holding NaN or +inf is corrupt: greedy over its finite values, no
+  penalties. A row with no finite value gives token 0. Neither advances the
+  row's generator.
+- Penalties come first, on the raw logits, in every row that sets them,
+  greedy rows too: repetition_penalty over the last REPETITION_WINDOW tokens
+  of `history.recent`, then frequency and presence over `history.generated`.
+  A penalized finite logit stays finite (clamped to float32's range); -inf
+  stays a mask. Without a history there is nothing to penalize.
+- A temperature below TEMPERATURE_FLOOR is greedy: exactly argmax of the
+  (penalized) logits.
 - Sampled rows are shifted by their max before dividing by the temperature,
-  so every logit is <= 0 and no admitted value makes inf or NaN.
-- top-p keeps the most likely token whatever top_p is.
-- A row holding NaN or +inf is corrupt: greedy over its finite values. A row
-  with no finite value gives token 0. Neither advances the row's generator.
+  so every logit is <= 0 and no admitted value makes inf or NaN. Then min_p,
+  then top-k and top-p, each keeping the most likely token.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-TEMPERATURE_MAX = 2.0
-# Below 1e-4 a logit gap of 0.01 already scales to a factor under e^-100
-# (~4e-44, at the bottom of float32's subnormals): sampling would be argmax
-# except among exact near-ties, so it is argmax, which is also deterministic.
-# It also keeps 1/temperature a normal float32 (a float32 of 1e-300 is 0).
-TEMPERATURE_FLOOR = 1e-4
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-# Signed 64 bits, so a seed fits an int64 anywhere it is kept. manual_seed
-# also takes [2^63, 2^64), but those alias the negative seeds. The CPU
-# generator (mt19937) keeps only the low 32 bits: seeds equal modulo 2^32
-# draw the same tokens.
-SEED_MIN, SEED_MAX = INT64_MIN, INT64_MAX
-TOP_K_MAX = INT64_MAX  # fits an int64 tensor or column; larger is pointless anyway
+from streamchat.model.sampling_params import (
+    DEFAULT_PARAMS, INT64_MAX, INT64_MIN, PENALTY_MAX, REPETITION_PENALTY_MAX, REPETITION_WINDOW,
+    SAMPLING_FIELDS, SEED_MAX, SEED_MIN, TEMPERATURE_FLOOR, TEMPERATURE_MAX, TOP_K_MAX, SamplingParams,
+    load_model_defaults, resolve_params,
+)
+
+__all__ = [  # the sampler's own names, and the params' re-exported for its callers
+    "TokenHistory", "make_generator", "sample", "apply_penalties", "FLOAT32_MAX",
+    "DEFAULT_PARAMS", "INT64_MAX", "INT64_MIN", "PENALTY_MAX", "REPETITION_PENALTY_MAX", "REPETITION_WINDOW",
+    "SAMPLING_FIELDS", "SEED_MAX", "SEED_MIN", "TEMPERATURE_FLOOR", "TEMPERATURE_MAX", "TOP_K_MAX",
+    "SamplingParams", "load_model_defaults", "resolve_params",
+]
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # below TEMPERATURE_FLOOR: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int | None = None
+class TokenHistory(NamedTuple):
+    """What one row has seen, oldest first; the sampler reads it and keeps nothing.
 
-    def validate(self) -> "SamplingParams":
-        """Returns self, or raises ValueError for a value outside the admitted ranges."""
-        if not _is_real(self.temperature) or not 0.0 <= self.temperature <= TEMPERATURE_MAX:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or not 0 <= self.top_k <= TOP_K_MAX:
-            raise ValueError(f"top_k must be an integer in [0, 2^63-1], got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"seed must be an integer in [-2^63, 2^63-1], got {self.seed!r}")
-        return self
+    recent: the tail of context and reply (at least the last REPETITION_WINDOW
+    tokens; earlier ones are ignored). generated: every token of the reply so
+    far. Ids outside the vocabulary are ignored.
+    """
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < TEMPERATURE_FLOOR
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    recent: Sequence[int]
+    generated: Sequence[int]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -83,41 +69,91 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+           generators: list[torch.Generator | None],
+           history: list[TokenHistory] | None = None) -> list[int]:
     """logits (N, vocab), any float dtype and device -> one token id per row.
 
-    Never raises for params that `validate()` accepts, whatever the logits
-    hold. Rows that sample share one softmax; a seeded row's token depends
-    only on its own logits, params and generator, not on the other rows.
+    `history[i]` is row i's TokenHistory (None: no row has one, so penalties
+    change nothing). Never raises for params that `validate()` accepts,
+    whatever the logits hold. Rows that sample share one softmax; a seeded
+    row's token depends only on its own logits, params, history and
+    generator, not on the other rows. Never changes `logits`.
     """
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
-    tokens, corrupt = _greedy(logits)
+    assert history is None or len(history) == len(params)
+    x = logits.float()
+    corrupt = _corrupt(x)
+    penalized = [i for i, p in enumerate(params) if p.penalized and not corrupt[i]]
+    if penalized and history is not None:
+        x = x.index_put((torch.tensor(penalized, device=x.device),),
+                        apply_penalties(x[penalized], [params[i] for i in penalized],
+                                        [history[i] for i in penalized]))
+    tokens = _greedy(x)
     rows = [i for i, p in enumerate(params) if not p.greedy and not corrupt[i]]
     if rows:
-        x = logits[rows].float()  # (S, vocab), left on its device: only the drawn ids come back
-        drawn = _draw(_probs(x, [params[i] for i in rows]), [generators[i] for i in rows])
+        sub = x[rows]  # (S, vocab), left on its device: only the drawn ids come back
+        drawn = _draw(_probs(sub, [params[i] for i in rows]), [generators[i] for i in rows])
         for i, token in zip(rows, drawn):
             tokens[i] = token
     return tokens
 
 
-def _greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """Argmax over each row's finite values (0 if none), and which rows cannot be sampled.
+def _corrupt(x: torch.Tensor) -> list[bool]:
+    """Which rows of (N, vocab) float32 cannot be sampled: NaN or +inf, or no finite value.
 
-    A row cannot be sampled when it holds NaN or +inf, or no finite value.
     -inf alone is a mask (a token that must not come), not corruption.
     """
-    x = logits.float()
+    bad = (torch.isnan(x) | (x == float("inf"))).any(dim=-1) | ~torch.isfinite(x).any(dim=-1)
+    return bad.tolist()
+
+
+def _greedy(x: torch.Tensor) -> list[int]:
+    """Argmax over each row's finite values; a row with none gives 0."""
     finite = torch.isfinite(x)
-    tokens = x.masked_fill(~finite, float("-inf")).argmax(dim=-1)  # all -inf: the first, 0
-    corrupt = (torch.isnan(x) | (x == float("inf"))).any(dim=-1) | ~finite.any(dim=-1)
-    return tokens.tolist(), corrupt.tolist()
+    return x.masked_fill(~finite, float("-inf")).argmax(dim=-1).tolist()  # all -inf: the first, 0
+
+
+def apply_penalties(x: torch.Tensor, params: list[SamplingParams], history: list[TokenHistory]) -> torch.Tensor:
+    """(P, vocab) float32 logits without NaN or +inf -> a penalized copy; all rows at once.
+
+    repetition_penalty (HF/CTRL): a token in the row's last REPETITION_WINDOW
+    tokens has a positive logit divided by r, a negative one multiplied by r.
+    Then OpenAI's: logit -= frequency_penalty * count + presence_penalty *
+    (count > 0), counts over the reply's generated tokens.
+    """
+    vocab, device = x.shape[-1], x.device
+    rep = _column([p.repetition_penalty for p in params], device)  # (P, 1)
+    freq = _column([p.frequency_penalty for p in params], device)
+    pres = _column([p.presence_penalty for p in params], device)
+    seen = _counts([h.recent[-REPETITION_WINDOW:] for h in history], vocab, device) > 0  # (P, vocab)
+    counts = _counts([h.generated for h in history], vocab, device)  # (P, vocab)
+    y = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    y = y - freq * counts - pres * (counts > 0).float()
+    # a finite logit stays finite (x * 10 can overflow float32); -inf stays a mask
+    return torch.where(x == float("-inf"), x, y.clamp(-FLOAT32_MAX, FLOAT32_MAX))
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def _counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """(len(rows), vocab) float32: how often each token id occurs in each row (ids outside [0, vocab) dropped)."""
+    lengths = torch.tensor([len(r) for r in rows], device=device)
+    ids = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=device)  # (total,)
+    row_idx = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)  # (total,)
+    keep = (ids >= 0) & (ids < vocab)
+    flat = row_idx[keep] * vocab + ids[keep]
+    return torch.bincount(flat, minlength=len(rows) * vocab).view(len(rows), vocab).float()
 
 
 def _probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """(S, vocab) float32 logits, each row with a finite max and no NaN or +inf -> probabilities."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=x.device)
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]  # every value <= 0 or -inf
+    # min_p: p / p_max = exp(x - 0), so p >= min_p * p_max is x >= ln(min_p); the max (0) always stays
+    floor = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=x.device)
+    x = x.masked_fill(x < floor[:, None], float("-inf"))
     filtered = [i for i, p in enumerate(params) if p.top_k or p.top_p < 1.0]
     if filtered:
         x[filtered] = _top_k_top_p(x[filtered], [params[i] for i in filtered])

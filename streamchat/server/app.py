@@ -52,6 +52,7 @@ class Daemon:
         from streamchat.engine.async_engine import AsyncEngine
         from streamchat.engine.engine import Engine
         from streamchat.model.runner import ModelRunner, load_model
+        from streamchat.model.sampling_params import load_model_defaults
         from streamchat.server.metrics import DaemonMetrics
         from streamchat.server.sessions import Hub
         from streamchat.store import AsyncStore, Store
@@ -67,13 +68,18 @@ class Daemon:
         engine = await asyncio.to_thread(Engine, runner, cfg.cache, cfg.scheduler, tiers=cfg.tiers,
                                          data_dir=data_dir)
         self.model_name = loaded.source.name
+        names = cfg.server.served_model_name
+        # what a client may name as `model`; the first is what the session object reports
+        self.served_names = tuple(n for n in names if n != "*") or (self.model_name,)
+        self.any_model_name = "*" in names
         sched = cfg.scheduler
         self.aengine = AsyncEngine(engine, cfg.model.num_threads, sched.engine_call_timeout_s,
                                    sched.max_failed_steps)
         self.aengine.on_fatal = self._engine_failed
         self.metrics = DaemonMetrics(self.aengine)
         self.aengine.start()
-        self.hub = Hub(self.aengine, self.store, self.model_name, cfg.cache)
+        self.hub = Hub(self.aengine, self.store, self.served_names[0], cfg.cache,
+                       load_model_defaults(loaded.source.folder))
         s = cfg.server
         self.limits = Limits(max_text_chars=s.max_text_chars, max_output_tokens=s.max_output_tokens)
         self.server = await serve(
@@ -82,18 +88,47 @@ class Daemon:
             ping_interval=20, ping_timeout=20, close_timeout=5, create_connection=self.http.create_connection)
         self.port = self.server.sockets[0].getsockname()[1]
         snap = self.aengine.snapshot
-        log.info("serving %s on ws://%s:%d%s (%d KV blocks of %d tokens)", self.model_name, s.host, self.port,
-                 REALTIME_PATH, snap.kv_blocks_total, cfg.cache.block_size)
-        self._log_tiers(snap.tiers)
+        self._log_ready(loaded, data_dir)
         if snap.tiers["disk"] is not None and cfg.tiers.checkpoint_idle_s:
             self._every(cfg.tiers.checkpoint_idle_s, self.hub.checkpoint_idle, "checkpointing idle sessions")
         self._every(s.session_idle_release_s, self.hub.release_idle, "releasing idle sessions")
 
-    def _log_tiers(self, tiers: dict) -> None:
-        host, disk = tiers["host"], tiers["disk"]
-        log.info("session tiers: host %s, disk %s",
-                 f"{host['blocks_total']} blocks" if host else "off",
-                 f"{disk['root']} (budget {self.config.tiers.disk_tier_gib:g} GiB)" if disk else "off")
+    def _log_ready(self, loaded, data_dir) -> None:
+        """One block of what an operator needs: the model as served, the pool, the tiers, where."""
+        from sqlalchemy.engine import make_url
+
+        from streamchat.logs import block
+
+        cfg, snap = self.config, self.aengine.snapshot
+        host, disk = snap.tiers["host"], snap.tiers["disk"]
+        model = loaded.model
+        fields = {
+            "address": f"ws://{cfg.server.host}:{self.port}{REALTIME_PATH}", "model": self.model_name,
+            "model_path": str(loaded.source.gguf or loaded.source.folder), "served_model_names": list(self.served_names),
+            "any_model_name": self.any_model_name,
+            "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
+            "weights": loaded.weights, "attention": model.backend.name,
+            "kv_blocks": snap.kv_blocks_total, "kv_block_tokens": cfg.cache.block_size,
+            "kv_bytes": snap.kv_blocks_total * snap.kv_bytes_per_block, "kv_dtype": cfg.cache.kv_dtype,
+            "window": f"{cfg.cache.sink_tokens} sink + {cfg.cache.window_tokens} window tokens",
+            "host_tier": f"{host['blocks_total']} blocks" if host else "off",
+            "disk_tier": f"{disk['root']} (budget {cfg.tiers.disk_tier_gib:g} GiB)" if disk else "off",
+            "data_dir": str(data_dir), "store": make_url(cfg.store.url).render_as_string(hide_password=True),
+            "sampling": self.hub.session_sampling(),
+        }
+        f = fields
+        names = ", ".join(self.served_names) + (", any name (*)" if self.any_model_name else "")
+        sampling = ", ".join(f"{k} {v:g}" for k, v in f["sampling"].items())
+        rows = {
+            "model": f"{f['model']} from {f['model_path']}; clients may name it: {names}",
+            "compute": f"{f['device']}, {f['dtype']}, {f['weights']} weights, {f['attention']} attention",
+            "kv pool": f"{f['kv_blocks']} blocks of {f['kv_block_tokens']} tokens, "
+                       f"{f['kv_bytes'] / 2**20:.1f} MiB ({f['kv_dtype']} kv dtype); {f['window']}",
+            "tiers": f"host {f['host_tier']}, disk {f['disk_tier']}",
+            "data": f"store {f['store']}, saved sessions in {f['data_dir']}",
+            "sampling": f"{sampling} (when a request and its session set none)",
+        }
+        log.info(block(f"streamchat ready on {f['address']}", rows), extra=fields)
 
     def _every(self, idle_s: float, job, what: str) -> None:
         """Run `job(idle_s)` every few seconds until the daemon stops (a task it owns)."""
@@ -142,18 +177,21 @@ class Daemon:
                           {"WWW-Authenticate": "Bearer"})
         model = parse_qs(url.query).get("model", [None])[0]
         if model is not None and not self.serves_model(model):
-            return _plain(http.HTTPStatus.BAD_REQUEST, f"this daemon serves {self.model_name!r}, not {model!r}\n")
+            served = ", ".join(repr(n) for n in self.served_names)
+            return _plain(http.HTTPStatus.BAD_REQUEST, f"this daemon serves the model {served}, not {model!r}; "
+                          "the operator may add names with --served-model-name\n")
         if self.stopping.is_set() or len(self.connections) >= self.config.server.max_connections:
             return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "overloaded: too many connections; retry later\n",
                           {"Retry-After": "1"})
         return None
 
     def served_models(self) -> list[str]:
-        """The model names clients may ask for (the Realtime `model` query, the HTTP API's `model`)."""
-        return [self.model_name]
+        """The model names `/v1/models` lists (--served-model-name, else the model's own)."""
+        return list(self.served_names)
 
     def serves_model(self, name: str) -> bool:
-        return name in self.served_models()
+        """Whether a client may ask for `name` (the Realtime `model` query, the HTTP API's `model`)."""
+        return self.any_model_name or name in self.served_names
 
     def _refuse_foreign(self, headers: Headers, path: str, port: int) -> Response | None:
         """403 for a request a web page on another site could have made.

@@ -22,7 +22,6 @@ from websockets.exceptions import ConnectionClosed
 from streamchat.engine import api
 from streamchat.engine.api import EngineError
 from streamchat.engine.events import ResponseFinished, TextDelta
-from streamchat.model.sampling import SamplingParams
 from streamchat.server import events as ev
 from streamchat.server import protocol as p
 from streamchat.server.outbox import Outbox, SlowClient
@@ -113,7 +112,7 @@ class Connection:
         if self.session.response_id is not None and e.instructions is not None:
             raise EngineError("conversation_already_has_active_response",
                               "instructions cannot change while a response runs")
-        await self.hub.update(self.session, e.instructions, e.max_output_tokens)
+        await self.hub.update(self.session, e.instructions, e.max_output_tokens, e.sampling())
         self.send(ev.session_updated(self.hub.describe(self.session)))
 
     async def on_SessionResume(self, e: p.SessionResume) -> None:
@@ -196,11 +195,7 @@ class Connection:
         if s.response_id is not None:
             raise EngineError("conversation_already_has_active_response",
                               "a response is already running in this session")
-        params = SamplingParams(e.temperature or 0.0, e.top_p or 1.0, e.top_k or 0, e.seed)
-        try:
-            params.validate()
-        except ValueError as exc:
-            raise EngineError("invalid_event", str(exc)) from None
+        params = self.hub.response_params(s, e.sampling())
         await self._close_open_item(s)
         await self.hub.ensure_stored(s)
         max_tokens = e.max_output_tokens if e.max_output_tokens is not None else s.max_output_tokens
@@ -270,11 +265,7 @@ class Connection:
         for event in ev.response_end_events(response, item, previous):
             self.send(event)
         self.metrics.response_done(status)
-        u = out.usage
-        log.info("response %s %s%s: session %s, %d input (%d cached), %d output tokens, ttft %s ms, %s tok/s",
-                 rid, status, f" ({reason})" if reason else "", s.id, u.input_tokens if u else 0,
-                 u.cached_tokens if u else 0, u.output_tokens if u else 0, u.ttft_ms if u else None,
-                 u.output_tokens_per_s if u else None)
+        _log_response(s.id, rid, status, reason, out.usage)
 
     async def on_ResponseCancel(self, e: p.ResponseCancel) -> None:
         s = self.session
@@ -310,6 +301,18 @@ class Connection:
             await self.submit(api.CancelResponse(s.id), timeout_s=5.0)
         except Exception:
             log.exception("could not stop the response of %s", s.id)
+
+
+def _log_response(session_id: str, rid: str, status: str, reason: str | None, u: api.Usage | None) -> None:
+    """One INFO line per finished response; its figures are also fields of the record (--log-format json)."""
+    fields = {"session_id": session_id, "response_id": rid, "status": status, "reason": reason,
+              "input_tokens": u.input_tokens if u else 0, "cached_tokens": u.cached_tokens if u else 0,
+              "output_tokens": u.output_tokens if u else 0, "ttft_ms": u.ttft_ms if u else None,
+              "tokens_per_s": u.output_tokens_per_s if u else None}
+    log.info("response %s %s%s: session %s, %d input (%d cached), %d output tokens, ttft %s ms, %s tok/s",
+             rid, status, f" ({reason})" if reason else "", session_id, fields["input_tokens"],
+             fields["cached_tokens"], fields["output_tokens"], fields["ttft_ms"], fields["tokens_per_s"],
+             extra=fields)
 
 
 def _usage(u: api.Usage) -> dict:

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Literal, Mapping, Union
 
 import orjson
 
-from streamchat.server.protocol import SERVER_ERROR_CODES, ErrorCode
+from streamchat.server.protocol import SERVER_ERROR_CODES, SESSION_SAMPLING_FIELDS, ErrorCode
 
 MaxTokens = Union[int, Literal["inf"]]
 Role = Literal["user", "system", "assistant"]
@@ -74,10 +74,14 @@ def session_object(
     max_output_tokens: MaxTokens,
     truncation: Mapping[str, int],
     resume_token: str | None = None,
+    sampling: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `session` object; `truncation` holds sink_tokens, window_tokens, block_size.
 
     `resume_token` is included only when given (only session.created shows it).
+    `sampling`: the session's effective sampling defaults (temperature, top_p,
+    top_k, frequency_penalty, presence_penalty, repetition_penalty, min_p),
+    shown as top-level fields after `max_output_tokens` when given.
     """
     session: dict[str, Any] = {
         "type": "realtime",
@@ -88,6 +92,9 @@ def session_object(
         "output_modalities": ["text"],
         "max_output_tokens": max_output_tokens,
     }
+    if sampling:
+        assert set(sampling) <= set(SESSION_SAMPLING_FIELDS), sampling
+        session.update(sampling)
     if resume_token is not None:
         session["resume_token"] = resume_token
     session["truncation"] = {

@@ -21,7 +21,7 @@ import orjson
 from streamchat.engine import api
 from streamchat.engine.api import EngineError
 from streamchat.engine.events import ResponseFinished, TextDelta
-from streamchat.model.sampling import SamplingParams
+from streamchat.model.sampling_params import resolve_params
 from streamchat.server.events import new_id
 from streamchat.server.http import BodyTooLarge, HttpRequest, Responder
 from streamchat.server.openai_schema import (
@@ -41,28 +41,6 @@ SSE = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-
 # An engine error code -> HTTP status and OpenAI error type
 ENGINE_ERRORS = {"overloaded": (503, "server_error"), "engine_unavailable": (503, "server_error"),
                  "pending_limit_exceeded": (413, "invalid_request_error"), "internal": (500, "server_error")}
-
-
-def unsupported_penalties(chat: ChatRequest) -> ApiError | None:
-    """TODO(#16 sampling): pass frequency_penalty / presence_penalty to SamplingParams once the
-    engine's sampler has them; until then only their default (0) is accepted."""
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(chat, name):
-            return invalid(f"{name} is not supported by this daemon yet; send 0 or leave it out", name,
-                           "unsupported_value")
-    return None
-
-
-def sampling_params(chat: ChatRequest) -> SamplingParams:
-    """The request's sampling numbers; a field left out takes the engine's default."""
-    refused = unsupported_penalties(chat)
-    if refused is not None:
-        raise refused
-    default = SamplingParams()
-    return SamplingParams(
-        temperature=default.temperature if chat.temperature is None else chat.temperature,
-        top_p=default.top_p if chat.top_p is None else chat.top_p,
-        top_k=default.top_k, seed=chat.seed).validate()
 
 
 class OpenAIHttp:
@@ -129,7 +107,7 @@ class OpenAIHttp:
         if not d.serves_model(chat.model):
             raise _model_not_found(chat.model)
         try:
-            params = sampling_params(chat)
+            params = resolve_params(d.hub.model_defaults, {}, chat.sampling_fields())
         except ValueError as exc:
             raise invalid(str(exc)) from None
         if d.stopping.is_set() or self.running + len(d.connections) >= d.config.server.max_connections:

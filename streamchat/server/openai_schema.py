@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from streamchat.model.sampling_params import PENALTY_MAX, REPETITION_PENALTY_MAX
 from streamchat.server.protocol import Limits
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -59,8 +60,18 @@ class ChatRequest:
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    # extensions, as vLLM and llama.cpp's server take them
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The sampling numbers the request set (SamplingParams names); the rest take the daemon's defaults."""
+        names = ("temperature", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty", "min_p")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
 def parse_chat_request(body: bytes, limits: Limits) -> ChatRequest:
@@ -86,8 +97,11 @@ def parse_chat_request(body: bytes, limits: Limits) -> ChatRequest:
         max_tokens=_max_tokens(doc, limits), stop=_stop(doc.get("stop"), limits),
         temperature=_number(doc, "temperature", 0.0, 2.0), top_p=_number(doc, "top_p", 0.0, 1.0, low_open=True),
         seed=_seed(doc.get("seed")),
-        frequency_penalty=_number(doc, "frequency_penalty", -2.0, 2.0) or 0.0,
-        presence_penalty=_number(doc, "presence_penalty", -2.0, 2.0) or 0.0)
+        frequency_penalty=_number(doc, "frequency_penalty", -PENALTY_MAX, PENALTY_MAX),
+        presence_penalty=_number(doc, "presence_penalty", -PENALTY_MAX, PENALTY_MAX),
+        top_k=_top_k(doc.get("top_k")),
+        repetition_penalty=_number(doc, "repetition_penalty", 0.0, REPETITION_PENALTY_MAX, low_open=True),
+        min_p=_number(doc, "min_p", 0.0, 1.0))
 
 
 def _messages(value: Any, limits: Limits) -> tuple[str, tuple[tuple[str, str, bool], ...]]:
@@ -186,6 +200,15 @@ def _stop(value: Any, limits: Limits) -> tuple[str, ...]:
             raise invalid(f"each stop string must have 1 to {limits.max_stop_chars} characters", "stop",
                           "invalid_value")
     return tuple(items)
+
+
+def _top_k(value: Any) -> int | None:
+    if value is None:
+        return None
+    if type(value) is not int or not 0 <= value < 2**63:
+        raise invalid(f"top_k must be an integer in [0, 2^63-1] (0: no limit), got {value!r}", "top_k",
+                      "invalid_value")
+    return value
 
 
 def _seed(value: Any) -> int | None:

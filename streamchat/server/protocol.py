@@ -11,8 +11,8 @@ Leniency rules (see docs/protocol.md): unknown fields are ignored, a JSON
 `null` in an optional field means "absent", and every field we use is
 type- and range-checked. Numbers are refused unless finite, even if a
 decoder more lenient than orjson let NaN or an infinity through; the
-sampling ranges repeat those of `streamchat.model.sampling` (which imports
-torch), and a test keeps the two equal.
+sampling ranges repeat those of `streamchat.model.sampling_params`, and a
+test keeps the two equal.
 """
 
 from __future__ import annotations
@@ -51,12 +51,20 @@ SERVER_ERROR_CODES: frozenset[str] = frozenset(
     {"overloaded", "internal", "store_unavailable", "engine_unavailable"},
 )
 
-# Sampling ranges, equal to streamchat.model.sampling's (docs/protocol.md,
+# Sampling ranges, equal to streamchat.model.sampling_params' (docs/protocol.md,
 # "Sampling numbers"): signed 64 bits, so every admitted integer fits an
 # int64 wherever it is kept.
 TEMPERATURE_MAX = 2.0
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 TOP_K_MAX = 2**63 - 1
+PENALTY_MAX = 2.0  # frequency_penalty and presence_penalty in [-2, 2]
+REPETITION_PENALTY_MAX = 10.0  # repetition_penalty in (0, 10]
+
+# Sampling fields a session keeps as its defaults (session.update); a
+# response.create may set these and `seed`. Names of SamplingParams fields.
+SESSION_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty",
+                           "repetition_penalty", "min_p")
+RESPONSE_SAMPLING_FIELDS = SESSION_SAMPLING_FIELDS + ("seed",)
 
 _INVALID = ErrorCode.INVALID_EVENT
 
@@ -97,10 +105,24 @@ MaxTokens = Union[int, Literal["inf"]]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SessionUpdate:
+    """Every field None: leave unchanged. The sampling fields are the session's defaults
+    for later responses (streamchat extensions)."""
+
     TYPE: ClassVar[str] = "session.update"
     event_id: str | None = None
-    instructions: str | None = None  # None: leave unchanged
-    max_output_tokens: MaxTokens | None = None  # None: leave unchanged
+    instructions: str | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields this update sets, by SamplingParams name."""
+        return _set_fields(self, SESSION_SAMPLING_FIELDS)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,6 +145,18 @@ class ResponseCreate:
     top_k: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields this response sets, by SamplingParams name (None: unset)."""
+        return _set_fields(self, RESPONSE_SAMPLING_FIELDS)
+
+
+def _set_fields(event: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(event, name) for name in names if getattr(event, name) is not None}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -296,6 +330,20 @@ def _integer(obj: dict[str, Any], key: str, where: str, low: int, high: int) -> 
     return value
 
 
+def _sampling(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    """The sampling fields a session and a response share (see "Sampling numbers")."""
+    return {
+        "temperature": _number(obj, "temperature", where, 0.0, TEMPERATURE_MAX),
+        "top_p": _number(obj, "top_p", where, 0.0, 1.0, low_open=True),
+        "top_k": _integer(obj, "top_k", where, 0, TOP_K_MAX),
+        "frequency_penalty": _number(obj, "frequency_penalty", where, -PENALTY_MAX, PENALTY_MAX),
+        "presence_penalty": _number(obj, "presence_penalty", where, -PENALTY_MAX, PENALTY_MAX),
+        "repetition_penalty": _number(obj, "repetition_penalty", where, 0.0, REPETITION_PENALTY_MAX,
+                                      low_open=True),
+        "min_p": _number(obj, "min_p", where, 0.0, 1.0),
+    }
+
+
 def _stop(obj: dict[str, Any], where: str, limits: Limits) -> tuple[str, ...] | None:
     value = obj.get("stop")
     if value is None:
@@ -322,6 +370,7 @@ def _parse_session_update(obj: dict[str, Any], event_id: str | None, limits: Lim
         event_id=event_id,
         instructions=_text(session, "instructions", "session.", limits, required=False),
         max_output_tokens=_max_tokens(session, "session.", limits),
+        **_sampling(session, "session."),
     )
 
 
@@ -376,11 +425,9 @@ def _parse_response_create(obj: dict[str, Any], event_id: str | None, limits: Li
         event_id=event_id,
         max_output_tokens=_max_tokens(response, where, limits),
         instructions=_text(response, "instructions", where, limits, required=False),
-        temperature=_number(response, "temperature", where, 0.0, TEMPERATURE_MAX),
-        top_p=_number(response, "top_p", where, 0.0, 1.0, low_open=True),
-        top_k=_integer(response, "top_k", where, 0, TOP_K_MAX),
         seed=_integer(response, "seed", where, SEED_MIN, SEED_MAX),
         stop=_stop(response, where, limits),
+        **_sampling(response, where),
     )
 
 

@@ -21,8 +21,11 @@ import time
 from contextlib import asynccontextmanager
 
 from streamchat.engine import api
+from streamchat.engine.api import EngineError
 from streamchat.engine.async_engine import AsyncEngine
+from streamchat.model.sampling_params import SamplingParams, resolve_params
 from streamchat.server.events import new_id, session_object
+from streamchat.server.protocol import SESSION_SAMPLING_FIELDS
 from streamchat.store import AsyncStore, hash_token, new_resume_token, verify_token
 from streamchat.tiers import KVFileError
 
@@ -58,6 +61,7 @@ class LiveSession:
     resume_token: str | None = None  # shown once, at creation
     instructions: str = ""
     max_output_tokens: int | str = "inf"
+    sampling: dict = field(default_factory=dict)  # the session's own sampling defaults (session.update)
     stored: bool = False
     last_item_id: str | None = None
     open_item_id: str | None = None
@@ -72,11 +76,13 @@ class LiveSession:
 class Hub:
     """Every live session, shared by all connections of the daemon."""
 
-    def __init__(self, engine: AsyncEngine, store: AsyncStore, model_name: str, cache_cfg) -> None:
+    def __init__(self, engine: AsyncEngine, store: AsyncStore, model_name: str, cache_cfg,
+                 model_defaults: SamplingParams = SamplingParams()) -> None:
         self.engine = engine
         self.store = store
         self.model_name = model_name
         self.cache_cfg = cache_cfg
+        self.model_defaults = model_defaults  # what a field neither the response nor the session sets takes
         self.sessions: dict[str, LiveSession] = {}
         self._resuming: dict[str, tuple[asyncio.Lock, int]] = {}  # one restore at a time per id, and its users
         self.submit = engine.submit
@@ -84,11 +90,26 @@ class Hub:
     def describe(self, s: LiveSession, with_token: bool = False) -> dict:
         return session_object(
             session_id=s.id, model=self.model_name, instructions=s.instructions,
-            max_output_tokens=s.max_output_tokens,
+            max_output_tokens=s.max_output_tokens, sampling=self.session_sampling(s),
             truncation={"sink_tokens": self.cache_cfg.sink_tokens,
                         "window_tokens": self.cache_cfg.window_tokens,
                         "block_size": self.cache_cfg.block_size},
             resume_token=s.resume_token if with_token else None)
+
+    def session_sampling(self, s: LiveSession | None = None) -> dict:
+        """A session's effective sampling defaults: its own over the model's (None: a new session's)."""
+        params = resolve_params(self.model_defaults, s.sampling if s else {}, {})
+        return {name: getattr(params, name) for name in SESSION_SAMPLING_FIELDS}
+
+    def response_params(self, s: LiveSession, fields: dict) -> SamplingParams:
+        """What one response samples with: its fields, else the session's, else the model's."""
+        return self._resolve(s.sampling, fields)
+
+    def _resolve(self, session_defaults: dict, fields: dict) -> SamplingParams:
+        try:
+            return resolve_params(self.model_defaults, session_defaults, fields)
+        except ValueError as exc:
+            raise EngineError("invalid_event", str(exc)) from None
 
     async def create(self) -> LiveSession:
         token = new_resume_token()
@@ -103,22 +124,29 @@ class Hub:
             s.stored = True
 
     def _settings(self, s: LiveSession) -> dict:
-        return {"max_output_tokens": s.max_output_tokens, "sink_tokens": self.cache_cfg.sink_tokens,
+        return {"max_output_tokens": s.max_output_tokens, "sampling": dict(s.sampling), "sink_tokens": self.cache_cfg.sink_tokens,
                 "window_tokens": self.cache_cfg.window_tokens, "block_size": self.cache_cfg.block_size}
 
-    async def update(self, s: LiveSession, instructions: str | None, max_output_tokens) -> None:
-        """Stored first; then the engine takes the new prompt (rebuilt from the store if it fails)."""
+    async def update(self, s: LiveSession, instructions: str | None, max_output_tokens,
+                     sampling: dict | None = None) -> None:
+        """Stored first; then the engine takes the new prompt (rebuilt from the store if it fails).
+
+        `sampling`: sampling defaults to set (SamplingParams names; others kept); a value
+        out of range is `invalid_event` and changes nothing.
+        """
         new_instructions = instructions if instructions is not None else s.instructions
         new_max = max_output_tokens if max_output_tokens is not None else s.max_output_tokens
-        old = (s.instructions, s.max_output_tokens)
-        s.instructions, s.max_output_tokens = new_instructions, new_max
+        new_sampling = {**s.sampling, **(sampling or {})}
+        self._resolve(new_sampling, {})  # refuses a value out of range before anything changes
+        old = (s.instructions, s.max_output_tokens, s.sampling)
+        s.instructions, s.max_output_tokens, s.sampling = new_instructions, new_max, new_sampling
         try:
             if s.stored:
                 await self.store.update_session(s.id, instructions=s.instructions, settings=self._settings(s))
             else:
                 await self.ensure_stored(s)
         except BaseException:
-            s.instructions, s.max_output_tokens = old
+            s.instructions, s.max_output_tokens, s.sampling = old
             raise
         if new_instructions != old[0]:
             try:
@@ -225,7 +253,7 @@ class Hub:
         items = await self.store.items(session_id)
         mark = transcript_mark(record.instructions, items)
         s = LiveSession(record.id, record.token_hash, None, record.instructions,
-                        record.settings.get("max_output_tokens", "inf"), stored=True)
+                        record.settings.get("max_output_tokens", "inf"), self._stored_sampling(record), stored=True)
         s.last_item_id = items[-1].item_id if items else None
         open_items = [i for i in items if i.status == "in_progress" and i.kind == "append"]
         s.open_item_id = open_items[-1].item_id if open_items else None
@@ -236,6 +264,21 @@ class Hub:
             await self.submit(api.RestoreTranscript(s.id, s.instructions, messages))
         self.sessions[s.id] = s
         return s, restored_from
+
+    def _stored_sampling(self, record) -> dict:
+        """A stored session's sampling defaults; a field this daemon does not know, or one
+        out of today's ranges, is dropped with a warning (the model's default applies)."""
+        kept = {}
+        for name, value in (record.settings.get("sampling") or {}).items():
+            try:
+                if name not in SESSION_SAMPLING_FIELDS:
+                    raise ValueError("not a session sampling field")
+                resolve_params(self.model_defaults, {name: value}, {})
+            except ValueError as exc:
+                log.warning("session %s: ignoring its stored sampling default %s=%r: %s", record.id, name, value, exc)
+                continue
+            kept[name] = value
+        return kept
 
     async def _restore_saved(self, s: LiveSession, messages, mark: str) -> bool:
         """Load the session's saved KV if its file is whole, ours, and matches the transcript."""

@@ -7,12 +7,29 @@ folder of the source tree); no alembic.ini is read. The same `Config` serves
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
+
+@contextlib.contextmanager
+def _quiet_alembic():
+    """Alembic's INFO lines (plugins set up, the SQLite impl, each revision run) say nothing an
+    operator acts on; its warnings still show."""
+    alembic_log = logging.getLogger("alembic")
+    level = alembic_log.level
+    alembic_log.setLevel(max(logging.WARNING, level))
+    try:
+        yield
+    finally:
+        alembic_log.setLevel(level)
+
+
+with _quiet_alembic():  # importing alembic logs a line per plugin it sets up
+    from alembic import command
+    from alembic.config import Config
+    from alembic.runtime.migration import MigrationContext
+
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import URL, make_url
 
@@ -39,11 +56,12 @@ def alembic_config(url: str | URL) -> Config:
 def upgrade_to_head(engine: Engine) -> None:
     """Run every pending migration on `engine` in one transaction."""
     cfg = alembic_config(engine.url)
-    with engine.begin() as connection:
+    with _quiet_alembic(), engine.begin() as connection:
         # env.py uses this connection, so the engine's pragmas apply to the DDL.
         cfg.attributes["connection"] = connection
         command.upgrade(cfg, "head")
-    logger.info("store schema at revision %s", current_revision(engine))
+        revision = MigrationContext.configure(connection).get_current_revision()
+    logger.debug("store schema at revision %s", revision)
 
 
 def check_writable(engine: Engine) -> None:
@@ -60,5 +78,5 @@ def check_writable(engine: Engine) -> None:
 
 def current_revision(engine: Engine) -> str | None:
     """The revision recorded in the database, None before the first migration."""
-    with engine.connect() as connection:
+    with _quiet_alembic(), engine.connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()

@@ -76,21 +76,25 @@ def test_no_input_leaves_no_session_in_the_file(tmp_path):
 
 
 def test_settings_and_system_instructions_reach_the_daemon(tmp_path):
-    """/set system sends session.update; /set max_tokens and temperature go with response.create."""
+    """/set system sends session.update; /set max_tokens, temperature and the penalties go with response.create."""
     store = SessionStore(tmp_path / "sessions.json")
 
     async def main():
         async with FakeDaemon() as daemon:
             result = await chat(daemon, store, "/set system Be terse.", "/set max_tokens 64",
-                                "/set temperature 0.2", "/show system", "/show settings", "Q")
+                                "/set temperature 0.2", "/set repetition_penalty 1.2", "/set min_p 0.05",
+                                "/set frequency_penalty -0.5", "/set presence_penalty 0.5",
+                                "/show system", "/show settings", "Q")
             return result, daemon.received
 
     (rc, out, err), received = run(main())
     update, item, create = received
     assert update["type"] == "session.update"
     assert update["session"] == {"type": "realtime", "instructions": "Be terse."}
-    assert create["response"] == {"max_output_tokens": 64, "temperature": 0.2}
-    assert out.startswith("Be terse.\nmax_output_tokens = 64\ntemperature = 0.2\nHello, world\n")
+    assert create["response"] == {"max_output_tokens": 64, "temperature": 0.2, "repetition_penalty": 1.2,
+                                  "min_p": 0.05, "frequency_penalty": -0.5, "presence_penalty": 0.5}
+    assert out.startswith("Be terse.\nmax_output_tokens = 64\ntemperature = 0.2\nrepetition_penalty = 1.2\n"
+                          "min_p = 0.05\nfrequency_penalty = -0.5\npresence_penalty = 0.5\nHello, world\n")
     assert store.find("sess_1").instructions == "Be terse."
 
 

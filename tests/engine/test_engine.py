@@ -197,3 +197,44 @@ def test_seeded_sampling_is_reproducible(bundled_fp32):
     a = llm.chat(["Tell me a story."], max_tokens=16, params=p)[0].token_ids
     b = llm.chat(["Tell me a story."], max_tokens=16, params=p)[0].token_ids
     assert a == b
+
+
+def test_penalized_rows_get_their_history_and_others_none(bundled_fp32, monkeypatch):
+    """The step hands `sample` the context tail and reply of each penalized row, an empty history
+    to the others, and no history at all when no row is penalized; the penalty changes the reply."""
+    import streamchat.engine.engine as engine_module
+    from streamchat.model.sampling import REPETITION_WINDOW, TokenHistory
+
+    llm = make_llm(bundled_fp32)
+    calls = []
+    original = engine_module.sample
+
+    def spy(logits, params, generators, history=None):
+        sessions = {s.response.params: s for s in llm.engine.sessions.values() if s.response is not None}
+        expected = [TokenHistory(list(sessions[p].seq.token_ids[-REPETITION_WINDOW:]),
+                                 list(sessions[p].response.output_ids)) if p.penalized else TokenHistory([], [])
+                    for p in params]
+        seen = None if history is None else [TokenHistory(list(h.recent), list(h.generated)) for h in history]
+        calls.append((seen, expected, [p.penalized for p in params]))
+        return original(logits, params, generators, history)
+
+    monkeypatch.setattr(engine_module, "sample", spy)
+    plain = SamplingParams()
+    [greedy] = llm.chat(["List three fruits."], max_tokens=24, params=plain)
+    assert calls and all(h is None for h, _, _ in calls)
+    calls.clear()
+    penalized = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5)
+    eng = llm.engine
+    for sid, params in (("pen", penalized), ("plain", plain)):  # one batch, one row of each
+        eng.open_session(sid)
+        eng.add_item(sid, "user", "List three fruits.")
+        eng.start_response(sid, "r-" + sid, params, 24)
+    replies = llm.run_until({"r-pen": "pen", "r-plain": "plain"})
+    assert calls and all(h is not None for h, _, _ in calls)
+    assert any(flags == [True, False] or flags == [False, True] for _, _, flags in calls)
+    for history, expected, _ in calls:
+        assert history == expected
+    assert any(len(h.generated) > 0 for history, _, _ in calls for h in history)
+    pen, again = replies
+    assert again.token_ids == greedy.token_ids  # the plain row beside a penalized one: plain greedy
+    assert pen.token_ids != greedy.token_ids

@@ -1,4 +1,5 @@
-"""Pins sampling: admitted ranges, greedy below the temperature floor, safe numbers, seeded reproducibility."""
+"""Pins sampling: admitted ranges, greedy below the temperature floor, safe numbers, seeded reproducibility,
+penalties against hand computations, min-p."""
 
 import math
 
@@ -8,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streamchat.model import sampling
-from streamchat.model.sampling import SamplingParams, make_generator, sample
+from streamchat.model.sampling import SamplingParams, TokenHistory, apply_penalties, make_generator, sample
 from streamchat.server import protocol
 
 NAN, INF = float("nan"), float("inf")
@@ -59,8 +60,8 @@ def test_validate_refuses_outside_the_ranges(params):
 
 def test_ranges_equal_the_protocol_copies():
     """The torch-free parser repeats exactly the sampling module's ranges."""
-    assert (protocol.TEMPERATURE_MAX, protocol.TOP_K_MAX, protocol.SEED_MIN, protocol.SEED_MAX) == (
-        sampling.TEMPERATURE_MAX, sampling.TOP_K_MAX, sampling.SEED_MIN, sampling.SEED_MAX)
+    names = ("TEMPERATURE_MAX", "TOP_K_MAX", "SEED_MIN", "SEED_MAX", "PENALTY_MAX", "REPETITION_PENALTY_MAX")
+    assert [getattr(protocol, n) for n in names] == [getattr(sampling, n) for n in names]
 
 
 def test_seed_bounds_and_the_32_bit_generator():
@@ -214,25 +215,181 @@ def test_empty_batch():
     assert sample(torch.empty(0, 8), [], []) == []
 
 
+# -- penalties ------------------------------------------------------------------------------
+
+
+def penalized(logits, params, recent=(), generated=()):
+    """apply_penalties on one row, as a list."""
+    return apply_penalties(torch.tensor([logits]), [params], [TokenHistory(recent, generated)])[0].tolist()
+
+
+def test_frequency_and_presence_by_hand():
+    """logit -= 0.5 * count + 0.25 * (count > 0), counts over the generated tokens only."""
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    got = penalized([1.0, 2.0, 0.5, -1.0, 0.0], params, recent=[2, 2, 4], generated=[1, 1, 3])
+    assert got == [1.0, 2.0 - 1.0 - 0.25, 0.5, -1.0 - 0.5 - 0.25, 0.0]
+
+
+def test_negative_frequency_and_presence_raise_seen_tokens():
+    """Negative penalties (down to -2) favour the tokens already generated."""
+    got = penalized([0.0, 0.0, 0.0], SamplingParams(frequency_penalty=-2.0, presence_penalty=-1.0), generated=[2, 2])
+    assert got == [0.0, 0.0, 5.0]
+
+
+def test_repetition_penalty_by_hand():
+    """Seen once or thrice alike: a positive logit is divided by r, a negative one multiplied, 0 stays."""
+    params = SamplingParams(repetition_penalty=2.0)
+    got = penalized([2.0, -1.0, 0.5, 3.0, 0.0], params, recent=[0, 1, 1, 1, 4], generated=[3])
+    assert got == [1.0, -2.0, 0.5, 3.0, 0.0]  # token 3 is only in `generated`: not in `recent`, not penalized
+
+
+def test_repetition_penalty_looks_at_the_last_64_tokens():
+    """A token seen only 65 tokens back is not penalized; one seen 64 back is."""
+    recent = [0, 1] + [2] * 63  # 65 tokens: token 0 falls out of the window, token 1 is its first
+    assert sampling.REPETITION_WINDOW == 64
+    assert penalized([4.0, 4.0, 4.0], SamplingParams(repetition_penalty=4.0), recent=recent) == [4.0, 1.0, 1.0]
+
+
+def test_repetition_then_frequency_and_presence():
+    """All three on one token: (4 / 2) - 1 * 2 - 0.5 = -0.5."""
+    params = SamplingParams(frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=2.0)
+    assert penalized([4.0, 1.0], params, recent=[0], generated=[0, 0]) == [-0.5, 1.0]
+
+
+def test_penalties_keep_finite_logits_finite_and_masks_masked():
+    """x * 10 past float32 clamps to its minimum, x / 5e-324 to its maximum; -inf stays -inf."""
+    big = torch.finfo(torch.float32).max
+    got = penalized([-3.4e38, -INF, 5.0], SamplingParams(repetition_penalty=10.0), recent=[0, 1, 2])
+    assert got == [-big, -INF, 0.5]
+    assert penalized([1.0, 2.0], SamplingParams(repetition_penalty=5e-324), recent=[0]) == [big, 2.0]
+
+
+def test_history_ids_outside_the_vocab_are_ignored():
+    """Negative or too-large ids in a history count for nothing and raise nothing."""
+    params = SamplingParams(frequency_penalty=1.0, repetition_penalty=2.0)
+    assert penalized([1.0, 1.0], params, recent=[-1, 2, 99], generated=[-5, 7]) == [1.0, 1.0]
+
+
+def test_penalties_change_the_greedy_token():
+    """Greedy stays greedy with penalties: argmax of the penalized logits."""
+    row = [3.0, 2.5, 0.0]
+    history = [TokenHistory([0], [0])]
+    assert draw([row], [SamplingParams(presence_penalty=1.0)]) == [0]  # no history: plain argmax
+    assert sample(torch.tensor([row]), [SamplingParams(presence_penalty=1.0)], [None], history) == [1]
+    assert sample(torch.tensor([row]), [SamplingParams(repetition_penalty=1.5)], [None], history) == [1]
+    assert sample(torch.tensor([row]), [SamplingParams()], [None], history) == [0]  # unpenalized ignores history
+
+
+def test_greedy_without_penalties_is_exactly_argmax():
+    """Temperature 0 and no penalties: argmax of each row, with or without a history, in every dtype."""
+    torch.manual_seed(1)
+    logits = torch.randn(5, 1000)
+    history = [TokenHistory(list(range(50)), list(range(20)))] * 5
+    expected = logits.argmax(dim=-1).tolist()
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        x = logits.to(dtype)
+        assert sample(x, [SamplingParams()] * 5, [None] * 5, history) == x.float().argmax(dim=-1).tolist()
+    assert sample(logits, [SamplingParams()] * 5, [None] * 5) == expected
+
+
+def test_history_none_leaves_penalties_without_effect():
+    """Penalized params without a history draw what the same params without penalties draw."""
+    torch.manual_seed(2)
+    logits = torch.randn(3, 200)
+    plain = [SamplingParams(1.0, 0.9, 0, s) for s in (1, 2, 3)]
+    heavy = [SamplingParams(1.0, 0.9, 0, s, 2.0, 2.0, 10.0) for s in (1, 2, 3)]
+    assert sample(logits, heavy, [make_generator(p) for p in heavy]) == \
+        sample(logits, plain, [make_generator(p) for p in plain])
+
+
+def test_sample_does_not_change_the_logits():
+    """Penalties work on a copy: the caller's float32 logits are untouched."""
+    logits = torch.tensor([[2.0, -1.0, 0.5], [1.0, 1.0, 1.0]])
+    before = logits.clone()
+    params = [SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0)] * 2
+    sample(logits, params, [None, None], [TokenHistory([0, 1], [2])] * 2)
+    assert torch.equal(logits, before)
+
+
+def test_batched_penalties_equal_single_rows():
+    """apply_penalties over rows at once equals row by row, exactly."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, 300) * 4
+    params = [SamplingParams(frequency_penalty=0.7), SamplingParams(presence_penalty=-0.4, repetition_penalty=1.3),
+              SamplingParams(repetition_penalty=0.8), SamplingParams(1.0, 1.0, 0, None, 2.0, 2.0, 10.0)]
+    history = [TokenHistory(torch.randint(0, 300, (n,)).tolist(), torch.randint(0, 300, (m,)).tolist())
+               for n, m in ((10, 0), (80, 5), (0, 40), (64, 64))]
+    batch = apply_penalties(logits, params, history)
+    for i in range(4):
+        assert torch.equal(batch[i:i + 1], apply_penalties(logits[i:i + 1], params[i:i + 1], history[i:i + 1]))
+
+
+def test_penalized_seeded_rows_ignore_their_batch():
+    """Seeded and greedy rows with penalties draw the same tokens alone as in a mixed batch."""
+    torch.manual_seed(4)
+    logits = torch.randn(5, 300) * 3
+    logits[3, 9] = NAN
+    params = [SamplingParams(0.0, repetition_penalty=1.5), SamplingParams(0.8, 0.9, 0, 3, 0.5, 0.5, 1.2, 0.05),
+              SamplingParams(1.0), SamplingParams(1.0, seed=4, frequency_penalty=1.0),
+              SamplingParams(1.5, 1.0, 50, 7, -1.0, 0.0, 1.0, 0.1)]
+    history = [TokenHistory(torch.randint(0, 300, (70,)).tolist(), torch.randint(0, 300, (30,)).tolist())
+               for _ in params]
+    for _ in range(5):
+        batch = sample(logits, params, [make_generator(p) for p in params], history)
+        alone = [sample(logits[i:i + 1], [p], [make_generator(p)], history[i:i + 1])[0] for i, p in enumerate(params)]
+        assert [batch[i] for i in (0, 1, 3, 4)] == [alone[i] for i in (0, 1, 3, 4)]
+    assert batch[3] == int(logits[3].nan_to_num(-INF).argmax())  # corrupt: greedy, no penalties
+
+
+# -- min-p ----------------------------------------------------------------------------------
+
+
+def test_min_p_keeps_tokens_within_a_share_of_the_most_likely():
+    """Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.25 keeps three, 0.5 two, 0.7 one, 0 all four."""
+    row = [math.log(q) for q in (0.5, 0.3, 0.15, 0.05)]
+    for min_p, kept, seeds in ((0.25, {0, 1, 2}, 80), (0.5, {0, 1}, 60), (0.7, {0}, 20), (0.0, {0, 1, 2, 3}, 200)):
+        got = {draw([row], [SamplingParams(1.0, min_p=min_p, seed=s)])[0] for s in range(seeds)}
+        assert got == kept, min_p
+
+
+def test_min_p_applies_after_the_temperature():
+    """At T=2 the probabilities flatten to ~ sqrt: ratios 1, 0.77, 0.55, 0.32; min_p 0.5 keeps three."""
+    row = [math.log(q) for q in (0.5, 0.3, 0.15, 0.05)]
+    assert {draw([row], [SamplingParams(2.0, min_p=0.5, seed=s)])[0] for s in range(80)} == {0, 1, 2}
+
+
+def test_min_p_one_keeps_the_most_likely_and_its_ties():
+    """min_p 1 is argmax in effect; exact ties with the maximum stay."""
+    assert {draw([[1.0, 3.0, 3.0, 2.9]], [SamplingParams(1.0, min_p=1.0, seed=s)])[0] for s in range(30)} == {1, 2}
+
+
 # -- property: never raises, always in range ------------------------------------------------
 
 temperatures = st.sampled_from([0.0, 5e-324, 1e-300, 9.999e-5, 1e-4, 2.0]) | st.floats(0.0, 2.0)
 top_ps = st.sampled_from([5e-324, 1e-300, 1e-45, 1.0]) | st.floats(0.0, 1.0, exclude_min=True)
 top_ks = st.sampled_from([0, 1, 2**63 - 1]) | st.integers(0, 40)
 seeds = st.none() | st.integers(-(2**63), 2**63 - 1)
-admitted = st.builds(SamplingParams, temperatures, top_ps, top_ks, seeds)
+penalties = st.sampled_from([-2.0, 0.0, 2.0]) | st.floats(-2.0, 2.0)
+repetition_penalties = st.sampled_from([5e-324, 1.0, 10.0]) | st.floats(0.0, 10.0, exclude_min=True)
+min_ps = st.sampled_from([0.0, 5e-324, 1.0]) | st.floats(0.0, 1.0)
+admitted = st.builds(SamplingParams, temperatures, top_ps, top_ks, seeds, penalties, penalties,
+                     repetition_penalties, min_ps)
+token_ids = st.lists(st.integers(-2, 40), max_size=80)
 logit_values = st.sampled_from([NAN, INF, -INF, 1e30, -1e30, 3.4e38, -3.4e38, 0.0]) | \
     st.floats(-1e4, 1e4, width=32)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 33).flatmap(lambda vocab: st.lists(
-    st.tuples(admitted, st.lists(logit_values, min_size=vocab, max_size=vocab)), min_size=1, max_size=5)))
-def test_sample_never_raises_and_stays_in_vocab(rows):
-    """For admitted params and any logits (extremes, -inf masks, NaN, +inf) sample returns ints in [0, vocab)."""
-    params = [p.validate() for p, _ in rows]
-    logits = torch.tensor([values for _, values in rows], dtype=torch.float32)
-    tokens = sample(logits, params, [make_generator(p) for p in params])
+    st.tuples(admitted, st.lists(logit_values, min_size=vocab, max_size=vocab), token_ids, token_ids),
+    min_size=1, max_size=5)), st.booleans())
+def test_sample_never_raises_and_stays_in_vocab(rows, with_history):
+    """For admitted params, any logits (extremes, -inf masks, NaN, +inf) and any history, sample
+    returns ints in [0, vocab)."""
+    params = [p.validate() for p, *_ in rows]
+    logits = torch.tensor([values for _, values, _, _ in rows], dtype=torch.float32)
+    history = [TokenHistory(recent, generated) for *_, recent, generated in rows] if with_history else None
+    tokens = sample(logits, params, [make_generator(p) for p in params], history)
     vocab = logits.shape[1]
     assert len(tokens) == len(rows) and all(type(t) is int and 0 <= t < vocab for t in tokens)
     for token, row in zip(tokens, logits):

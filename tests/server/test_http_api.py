@@ -71,13 +71,14 @@ def test_sdk_streaming_and_not_give_the_same_greedy_reply(api_daemon):
     """stream=True deltas join to the non-streaming content; include_usage adds one usage chunk."""
     client = sdk(api_daemon)
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
-    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
     text = whole.choices[0].message.content
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant" and text
     assert whole.choices[0].finish_reason in ("stop", "length")
     assert whole.usage.completion_tokens >= 1 and whole.usage.total_tokens == (
         whole.usage.prompt_tokens + whole.usage.completion_tokens)
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, stream=True,
+                                                 temperature=0,
                                                  stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
@@ -121,11 +122,12 @@ def test_a_chat_longer_than_the_window_is_served(api_daemon):
 
 
 def test_keep_alive_serves_requests_one_after_another(api_daemon):
-    """Two requests on one connection, and a stop string that ends the reply."""
+    """Two requests on one connection, a stop string that ends the reply, every sampling field accepted."""
     conn = http.client.HTTPConnection("127.0.0.1", api_daemon.port, timeout=120)
     first = request(api_daemon, "GET", "/v1/models", conn=conn)
-    second = request(api_daemon, "POST", "/v1/chat/completions", chat("Count: 1, 2, 3, 4", stop=["5"], seed=7,
-                                                                       temperature=0.7, top_p=0.9), conn=conn)
+    second = request(api_daemon, "POST", "/v1/chat/completions", chat(
+        "Count: 1, 2, 3, 4", stop=["5"], seed=7, temperature=0.7, top_p=0.9, top_k=40, frequency_penalty=0.5,
+        presence_penalty=0.5, repetition_penalty=1.2, min_p=0.05), conn=conn)
     conn.close()
     assert first[0] == 200 and second[0] == 200, second
     assert "5" not in second[2]["choices"][0]["message"]["content"]
@@ -152,8 +154,12 @@ def test_keep_alive_serves_requests_one_after_another(api_daemon):
     (chat("hi", stream="yes"), "stream"),
     (chat("hi", stream_options={"include_usage": True}), "stream_options"),
     (chat("hi", n=2), "n"),
-    (chat("hi", frequency_penalty=0.5), "frequency_penalty"),
+    (chat("hi", frequency_penalty=2.5), "frequency_penalty"),
     (chat("hi", presence_penalty=-3), "presence_penalty"),
+    (chat("hi", repetition_penalty=0), "repetition_penalty"),
+    (chat("hi", min_p=1.5), "min_p"),
+    (chat("hi", top_k=-1), "top_k"),
+    (chat("hi", top_k=2.5), "top_k"),
 ])
 def test_bad_requests_get_400_naming_the_field(api_daemon, body, param):
     """Every malformed request is a 400 invalid_request_error whose param names the field at fault."""

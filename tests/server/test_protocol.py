@@ -55,6 +55,12 @@ VALID = [
     ({"type": "session.update", "event_id": "e1", "session": {"max_output_tokens": "inf"}},
      SessionUpdate(event_id="e1", max_output_tokens="inf")),
     ({"type": "session.update", "session": {}}, SessionUpdate()),
+    ({"type": "session.update", "session": {
+        "temperature": 0.7, "top_p": 0.9, "top_k": 40, "frequency_penalty": -2, "presence_penalty": 0.5,
+        "repetition_penalty": 1.1, "min_p": 0.05, "seed": "ignored: not a session field"}},
+     SessionUpdate(temperature=0.7, top_p=0.9, top_k=40, frequency_penalty=-2.0, presence_penalty=0.5,
+                   repetition_penalty=1.1, min_p=0.05)),
+    ({"type": "session.update", "session": {"temperature": None, "min_p": None}}, SessionUpdate()),
     ({"type": "conversation.item.create", "event_id": "e2", "item": USER_ITEM},
      ItemCreate(event_id="e2", role="user", text="hi")),
     ({"type": "conversation.item.create", "item": {
@@ -70,6 +76,11 @@ VALID = [
         "top_p": 0.9, "top_k": 40, "seed": -7, "stop": ["\n\n", "User:"]}},
      ResponseCreate(event_id="e3", max_output_tokens=64, instructions="Answer in French.",
                     temperature=0.0, top_p=0.9, top_k=40, seed=-7, stop=("\n\n", "User:"))),
+    ({"type": "response.create", "response": {
+        "frequency_penalty": 2, "presence_penalty": -0.0, "repetition_penalty": 10, "min_p": 1}},
+     ResponseCreate(frequency_penalty=2.0, presence_penalty=0.0, repetition_penalty=10.0, min_p=1.0)),
+    ({"type": "response.create", "response": {"repetition_penalty": 5e-324, "min_p": 0, "frequency_penalty": None}},
+     ResponseCreate(repetition_penalty=5e-324, min_p=0.0)),
     ({"type": "response.cancel"}, ResponseCancel()),
     ({"type": "response.cancel", "event_id": "e4", "response_id": "resp_1"},
      ResponseCancel(event_id="e4", response_id="resp_1")),
@@ -234,6 +245,20 @@ ERRORS = [
     ({"type": "response.create", "response": {"top_k": -0.0}}, "invalid_event", None),
     ({"type": "response.create", "response": {"temperature": 2**64 - 1}}, "invalid_event", None),
     ({"type": "response.create", "response": {"top_p": -0.0}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"frequency_penalty": 2.01}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"frequency_penalty": -2.01}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"presence_penalty": "0.5"}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"presence_penalty": True}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"repetition_penalty": 0}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"repetition_penalty": -0.0}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"repetition_penalty": 10.5}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"min_p": -0.1}}, "invalid_event", None),
+    ({"type": "response.create", "response": {"min_p": 1.01}}, "invalid_event", None),
+    ({"type": "session.update", "event_id": "e7", "session": {"temperature": 3}}, "invalid_event", "e7"),
+    ({"type": "session.update", "session": {"top_k": 1.5}}, "invalid_event", None),
+    ({"type": "session.update", "session": {"top_p": 0}}, "invalid_event", None),
+    ({"type": "session.update", "session": {"repetition_penalty": 0}}, "invalid_event", None),
+    ({"type": "session.update", "session": {"min_p": False}}, "invalid_event", None),
     ({"type": "response.create", "event_id": "e6", "response": {"stop": ["x" * 9]}}, "invalid_event", "e6"),
     ({"type": "response.create", "response": {"stop": ["ok", "é" * 9]}}, "invalid_event", None),
     ({"type": "response.create", "response": {"stop": "x"}}, "invalid_event", None),
@@ -307,8 +332,31 @@ def test_edge_numbers_parse_exactly(raw, fields):
         assert math.copysign(1.0, event.temperature) == 1.0  # -0.0 arrives as +0.0
 
 
-NUMERIC_FIELDS = [("response", "temperature"), ("response", "top_p"), ("response", "top_k"),
-                  ("response", "seed"), ("response", "max_output_tokens"), ("session", "max_output_tokens")]
+SAMPLING_NAMES = ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                  "min_p")
+def test_sampling_fields_by_name():
+    """sampling() gives the set sampling fields only: a response's seed included, never stop or instructions."""
+    update = parse({"type": "session.update", "session": {"instructions": "x", "min_p": 0.1, "top_k": 5}})
+    assert update.sampling() == {"top_k": 5, "min_p": 0.1}
+    create = parse({"type": "response.create", "response": {
+        "seed": 0, "stop": ["x"], "instructions": "y", "presence_penalty": 1, "max_output_tokens": 3}})
+    assert create.sampling() == {"seed": 0, "presence_penalty": 1.0}
+    assert parse({"type": "response.create"}).sampling() == {} == SessionUpdate().sampling()
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("frequency_penalty", 3, "response.frequency_penalty must be a number in [-2, 2]"),
+    ("presence_penalty", -3, "response.presence_penalty must be a number in [-2, 2]"),
+    ("repetition_penalty", 0, "response.repetition_penalty must be a number in (0, 10]"),
+    ("min_p", 2, "response.min_p must be a number in [0, 1]"),
+])
+def test_penalty_errors_name_the_field_and_range(field, value, message):
+    """The error message says which field and what it admits."""
+    assert refuse({"type": "response.create", "response": {field: value}}).message == message
+
+
+NUMERIC_FIELDS = [("response", "seed"), ("response", "max_output_tokens"), ("session", "max_output_tokens")] + \
+    [(outer, name) for outer in ("response", "session") for name in SAMPLING_NAMES]
 
 
 @pytest.mark.parametrize(("literal", "field"), [(lit, f) for lit in ("NaN", "Infinity", "-Infinity", "1e999")
@@ -338,6 +386,20 @@ def strip_id(event):
 def make_session(token="tok"):
     return E.session_object(session_id="sess_1", model="smollm2", instructions="", max_output_tokens="inf",
                             truncation=TRUNCATION, resume_token=token)
+
+
+def test_session_object_shows_its_sampling_defaults():
+    """Given sampling defaults, the session object shows them right after max_output_tokens."""
+    sampling = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                "repetition_penalty": 1.1, "min_p": 0.0}
+    session = E.session_object(session_id="sess_1", model="smollm2", instructions="", max_output_tokens="inf",
+                               truncation=TRUNCATION, sampling=sampling)
+    assert list(session) == ["type", "object", "id", "model", "instructions", "output_modalities",
+                             "max_output_tokens", *sampling, "truncation"]
+    assert {k: session[k] for k in sampling} == sampling
+    with pytest.raises(AssertionError):
+        E.session_object(session_id="s", model="m", instructions="", max_output_tokens="inf",
+                         truncation=TRUNCATION, sampling={"id": "sess_evil"})
 
 
 def test_new_id_has_128_random_bits():

@@ -14,6 +14,7 @@ from streamchat.server.protocol import (
     Limits,
     ProtocolError,
     ResponseCreate,
+    SessionUpdate,
     parse_client_event,
 )
 
@@ -35,7 +36,7 @@ def check(frame):
     assert event.event_id is None or len(event.event_id) <= 16
     for text in (getattr(event, "text", None), getattr(event, "instructions", None)):
         assert text is None or len(text) <= 64
-    if isinstance(event, ResponseCreate):
+    if isinstance(event, (ResponseCreate, SessionUpdate)):
         check_sampling_fields(event)
     return event
 
@@ -45,8 +46,14 @@ def check_sampling_fields(event):
     assert event.temperature is None or (math.isfinite(event.temperature) and 0 <= event.temperature <= 2)
     assert event.top_p is None or 0 < event.top_p <= 1
     assert event.top_k is None or 0 <= event.top_k <= 2**63 - 1
-    assert event.seed is None or -(2**63) <= event.seed <= 2**63 - 1
-    assert event.stop is None or (len(event.stop) <= 3 and all(0 < len(s) <= 3 for s in event.stop))
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(event, name)
+        assert value is None or (math.isfinite(value) and -2 <= value <= 2)
+    assert event.repetition_penalty is None or 0 < event.repetition_penalty <= 10
+    assert event.min_p is None or 0 <= event.min_p <= 1
+    if isinstance(event, ResponseCreate):
+        assert event.seed is None or -(2**63) <= event.seed <= 2**63 - 1
+        assert event.stop is None or (len(event.stop) <= 3 and all(0 < len(s) <= 3 for s in event.stop))
 
 
 json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | \
@@ -75,6 +82,10 @@ plausible = {
     "temperature": st.floats(-1, 3) | st.integers(-1, 3),
     "top_p": st.floats(-0.5, 1.5),
     "top_k": st.integers(-2, 50) | st.integers(2**63 - 2, 2**64),
+    "frequency_penalty": st.floats(-3, 3) | st.integers(-3, 3),
+    "presence_penalty": st.floats(-3, 3),
+    "repetition_penalty": st.floats(-1, 11) | st.integers(-1, 11),
+    "min_p": st.floats(-0.5, 1.5),
     "seed": st.integers(-(2**64), 2**65) | st.integers(-(2**63) - 2, -(2**63) + 2) | st.integers(2**63 - 2, 2**63 + 2),
     "stop": st.lists(st.text(max_size=4), max_size=5),
     "text": st.text(max_size=8) | st.text(min_size=60, max_size=70),
@@ -93,7 +104,8 @@ items = with_overrides(
     fields("type", "role", "content", "id"),
 )
 inner = st.fixed_dictionaries({}, optional={k: plausible[k] for k in (
-    "max_output_tokens", "instructions", "temperature", "top_p", "top_k", "seed", "stop")})
+    "max_output_tokens", "instructions", "temperature", "top_p", "top_k", "seed", "stop", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "min_p")})
 known_events = st.builds(
     lambda kind, body: {**body, "type": kind},
     st.sampled_from(CLIENT_EVENT_TYPES),
@@ -180,11 +192,13 @@ def test_response_create_fields_exactly(response):
         assert result.code in ("invalid_event", "message_too_large")
         return
     stop = response.get("stop")
+    numbers = {k: float(response[k]) + 0.0 for k in ("temperature", "top_p", "frequency_penalty",
+                                                     "presence_penalty", "repetition_penalty", "min_p")
+               if k in response}
     assert result == ResponseCreate(
         max_output_tokens=response.get("max_output_tokens"), instructions=response.get("instructions"),
-        temperature=None if "temperature" not in response else float(response["temperature"]),
-        top_p=None if "top_p" not in response else float(response["top_p"]),
         top_k=response.get("top_k"), seed=response.get("seed"), stop=None if stop is None else tuple(stop),
+        **numbers,
     )
 
 

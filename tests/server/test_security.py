@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
     d = Daemon(tmp_path_factory.mktemp("db") / "g.db", "--api-key", "s3cret", "--allowed-origins",
-               "http://good.example", "--max-connections", "3", "--max-sessions-per-connection", "2").start()
+               "http://good.example", "--max-connections", "3", "--max-sessions-per-connection", "2",
+               "--served-model-name", "smol", "--served-model-name", "SmolLM2-135M-Instruct,gpt-realtime").start()
     yield d
     d.stop()
 
@@ -125,9 +126,27 @@ def test_disallowed_origin_gets_403(guarded):
 
 
 def test_wrong_model_query_is_refused(guarded):
-    """`model` must name the served model when given."""
+    """`model` must name a served model when given: 400 naming the served names; each of them passes,
+    and the session reports the first."""
     auth = {"Authorization": "Bearer s3cret"}
-    assert status_of(guarded.url + "?model=gpt-4o", additional_headers=auth) == 400
+    assert handshake(guarded.url + "?model=gpt-4o", additional_headers=auth) == (
+        400, b"this daemon serves the model 'smol', 'SmolLM2-135M-Instruct', 'gpt-realtime', not 'gpt-4o'; "
+             b"the operator may add names with --served-model-name\n")
+    for name in ("smol", "SmolLM2-135M-Instruct", "gpt-realtime"):
+        assert status_of(f"{guarded.url}?model={name}", additional_headers=auth) == 101
+
+    async def created_model():
+        c = await Client.open(guarded.url + "?model=gpt-realtime", additional_headers=auth)
+        await c.close()
+        return c.created["session"]["model"]
+    assert asyncio.run(created_model()) == "smol"
+
+
+def test_default_serves_only_the_models_own_name(daemon):
+    """Without --served-model-name the model's own name is the only one accepted."""
+    assert status_of(daemon.url + "?model=SmolLM2-135M-Instruct") == 101
+    assert handshake(daemon.url + "?model=gpt-4o")[0] == 400
+    assert b"'SmolLM2-135M-Instruct', not 'gpt-4o'" in handshake(daemon.url + "?model=gpt-4o")[1]
 
 
 def test_connection_limit_answers_503_and_session_limit_errors(guarded):

@@ -21,10 +21,10 @@ def user_item(text):
 
 
 async def turn(c, text, max_tokens=12):
-    """An item and a greedy reply; the reply's text."""
+    """An item and a greedy reply (temperature 0: the daemon's default samples); the reply's text."""
     await c.send(user_item(text))
     await c.until("conversation.item.done")
-    await c.send({"type": "response.create", "response": {"max_output_tokens": max_tokens}})
+    await c.send({"type": "response.create", "response": {"max_output_tokens": max_tokens, "temperature": 0}})
     done = (await c.until("response.done"))[-1]["response"]
     assert done["status"] in ("completed", "incomplete")
     return done["output"][0]["content"][0]["text"]
