@@ -248,8 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if not args.skip_streamchat:
         rows.append(asyncio.run(run_streamchat(args, texts)))
+        print(json.dumps(common.rounded(rows[-1])), file=sys.stderr, flush=True)
     if args.llama_server:
         rows.append(asyncio.run(run_llama(args, texts)))
+        print(json.dumps(common.rounded(rows[-1])), file=sys.stderr, flush=True)
     if not args.skip_transformers:
         rows.append(run_transformers(args, texts))
     print(f"{args.sessions} sessions x ~{args.history} tokens of history, then {args.tokens} tokens each at once")

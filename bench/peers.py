@@ -77,18 +77,17 @@ class LlamaServer(Server):
                          folder / "llama-server.log")
 
     def ready(self) -> bool:
+        """Polled from sync code or from inside a running event loop alike: a blocking request."""
+        import http.client
+
+        conn = http.client.HTTPConnection(HOST, self.port, timeout=5)
         try:
-            return asyncio.run(http_get(self.port, "/health"))[0] == 200
+            conn.request("GET", "/health")
+            return conn.getresponse().status == 200
         except OSError:
             return False
-
-
-async def http_get(port: int, path: str) -> tuple[int, bytes]:
-    reader, writer = await asyncio.open_connection(HOST, port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n".encode())
-    data = await reader.read()
-    writer.close()
-    return int(data.split(b" ", 2)[1]), data
+        finally:
+            conn.close()
 
 
 async def stream_chat(port: int, messages: list[dict], max_tokens: int, reply: Reply, *,
