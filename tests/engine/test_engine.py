@@ -35,19 +35,19 @@ def step_checked(engine):
 
 
 def test_greedy_generation_equals_transformers(bundled_fp32, hf_bundled_fp32):
-    """64 greedy tokens on 5 chat prompts equal transformers' generate, token for token."""
+    """32 greedy tokens on 5 chat prompts equal transformers' generate, token for token."""
     llm = make_llm(bundled_fp32)
-    replies = llm.chat(PROMPTS, max_tokens=64)
+    replies = llm.chat(PROMPTS, max_tokens=32)
     chat = llm.engine.chat
     for prompt, reply in zip(PROMPTS, replies):
         ids = chat.bos_ids + chat.message("user", prompt) + chat.reply_prompt()
-        out = hf_bundled_fp32.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
+        out = hf_bundled_fp32.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
         expected = out[0, len(ids):].tolist()
         if expected[-1] in llm.engine.eos_ids:
             expected = expected[:-1]
         assert reply.token_ids == expected
         assert "".join(reply.deltas) == reply.text
-        assert reply.status == ("incomplete" if len(expected) == 64 else "completed")
+        assert reply.status == ("incomplete" if len(expected) == 32 else "completed")
 
 
 @pytest.fixture(scope="module")

@@ -69,8 +69,10 @@ def bundled_case(bundled_fp32, hf_bundled_fp32):
 
 @pytest.mark.parametrize("chunk", [512, 7, 64, 1])
 def test_bundled_logits_match_transformers(bundled_fp32, bundled_case, chunk):
-    """SmolLM2-135M, 512 tokens of text: within 1e-4 (see above) for every feeding, same argmax."""
+    """SmolLM2-135M, 512 tokens of text (the first 160 fed one by one): within 1e-4 (see above), same argmax."""
     ids, ref = bundled_case
+    if chunk == 1:  # 512 single-token steps took 49 s; 160 still cross ten blocks
+        ids, ref = ids[:160], ref[:160]
     ours = run_logits(bundled_fp32, ids, chunk)
     diff = (ours - ref).abs()
     assert (diff > 1e-4).float().mean() < 1e-3, f"{int((diff > 1e-4).sum())} logits beyond 1e-4"

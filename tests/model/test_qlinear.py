@@ -338,15 +338,15 @@ def bundled_case(bundled_fp32, bundled_raw):
 
 
 # float32's floor over 30 layers: measured 2.1e-4 on all 128 tokens; test_llama
-# allows 2.5e-4 between our dense logits and transformers'. 48 tokens: the float32
-# kernel is the slow one (see qlinear).
+# allows 2.5e-4 between our dense logits and transformers'. 8 tokens: the float32
+# kernel is the slow one (see qlinear; minutes for 48 tokens on an AVX2-only CPU).
 @pytest.mark.slow
 def test_bundled_int4_in_float32_is_the_dense_model(bundled_case):
     """int4 from the GGUF's blocks, float32 compute, dense head: logits within 5e-4 of dense, argmax equal."""
     ids, ref, loaded = bundled_case
-    out = logits_of(loaded("int4", head="bf16", compute_dtype=torch.float32), ids[:48])
-    assert (out - ref[:48]).abs().max() < 5e-4
-    assert torch.equal(out.argmax(-1), ref[:48].argmax(-1))
+    out = logits_of(loaded("int4", head="bf16", compute_dtype=torch.float32), ids[:8])
+    assert (out - ref[:8]).abs().max() < 5e-4
+    assert torch.equal(out.argmax(-1), ref[:8].argmax(-1))
 
 
 # Measured on these 128 tokens: int4 (bf16 compute, int8 head) max |d logit| 0.99,
