@@ -64,7 +64,8 @@ def main() -> None:
     from streamchat.config import CacheConfig, Config
     from streamchat.llm import LLM
 
-    llm = LLM(Config(model=common.model_config(args), cache=CacheConfig(kv_memory_gib=0.5)))
+    model_cfg = common.model_config(args)
+    llm = LLM(Config(model=model_cfg, cache=CacheConfig(kv_memory_gib=0.5)))
     common.disable_eos(llm.engine)
     print(common.describe(llm.loaded), file=sys.stderr, flush=True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
@@ -92,7 +93,7 @@ def main() -> None:
         ("batch_vs_hf_padded", "ours_n", "hf_pad_n"), ("single_vs_llama", "ours_1", "llama_1"),
         ("batch_vs_llama", "ours_n", "llama_n"))}
     n = args.batch
-    print(f"weights={args.weights or 'default'} threads={threads} tokens={args.tokens}")
+    print(f"weights={model_cfg.weights} threads={threads} tokens={args.tokens}")
     print(f"{'':34}{'tok/s':>10}")
     rows = [("ours, 1 session", "ours_1", None, None), ("transformers generate, 1", "hf_1", "single_vs_hf", None),
             ("llama-server, 1 stream", "llama_1", "single_vs_llama", TARGET_SINGLE_VS_LLAMA),
@@ -105,7 +106,7 @@ def main() -> None:
             continue
         tail = f"   ours/this {ratios[ratio]:.2f}x" if ratio else ""
         print(f"{label:34}{r[key]:10.1f}{tail}{f' (target >= {target:g})' if target else ''}")
-    print(json.dumps({"bench": "decode", "weights": args.weights, "batch": n, "tokens": args.tokens,
+    print(json.dumps({"bench": "decode", "weights": model_cfg.weights, "batch": n, "tokens": args.tokens,
                       **{k: round(v, 2) for k, v in r.items()},
                       **{k: round(v, 3) for k, v in ratios.items() if v is not None}}))
 
