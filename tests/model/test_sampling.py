@@ -34,6 +34,10 @@ ADMITTED = [
     SamplingParams(2.0, 5e-324, 2**63 - 1, 2**63 - 1),
     SamplingParams(1e-300, 1.0, 1, -(2**63)),
     SamplingParams(-0.0, 0.5, 40, 0),
+    SamplingParams(frequency_penalty=-2, presence_penalty=2.0),
+    SamplingParams(frequency_penalty=2.0, presence_penalty=-2.0, repetition_penalty=10.0, min_p=1.0),
+    SamplingParams(repetition_penalty=5e-324, min_p=0.0),
+    SamplingParams(min_p=5e-324, frequency_penalty=-0.0),
 ]
 REFUSED = [
     SamplingParams(temperature=NAN), SamplingParams(temperature=INF), SamplingParams(temperature=-1e-300),
@@ -42,6 +46,12 @@ REFUSED = [
     SamplingParams(top_k=-1), SamplingParams(top_k=1.0), SamplingParams(top_k=True), SamplingParams(top_k=2**63),
     SamplingParams(seed=2**63), SamplingParams(seed=-(2**63) - 1), SamplingParams(seed=1.0),
     SamplingParams(seed=False),
+    SamplingParams(frequency_penalty=2.0000001), SamplingParams(frequency_penalty=-2.0000001),
+    SamplingParams(presence_penalty=NAN), SamplingParams(presence_penalty=INF), SamplingParams(presence_penalty=True),
+    SamplingParams(repetition_penalty=0.0), SamplingParams(repetition_penalty=10.000001),
+    SamplingParams(repetition_penalty=-1.0), SamplingParams(repetition_penalty="1.1"),
+    SamplingParams(min_p=-1e-300), SamplingParams(min_p=1.0000001), SamplingParams(min_p=NAN),
+    SamplingParams(min_p=None),
 ]
 
 
