@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "int8", "fp8", "int4")
 EVICTIONS = ("sink_window", "h2o")  # which block leaves a full window (see cache/manager.py)
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 WEIGHTS = ("auto", "bf16", "int8", "int4")  # auto: measured once per model and device, then cached
 
 
@@ -30,7 +30,7 @@ class ModelConfig:
     path: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto: bf16 where the device has bf16 instructions
     device: str = "auto"  # auto: cuda if available, else cpu
-    attention_backend: str = "auto"  # auto: triton on cuda, torch elsewhere
+    attention_backend: str = "auto"  # auto: triton on cuda; cpu (C decode kernel) elsewhere, torch without cc
     num_threads: int = 0  # torch intra-op threads; 0: one per core
     cache_dir: str | None = None  # converted checkpoints; None: XDG cache
     # How the linear layers' weights are served: "bf16" is dense in `dtype` (the

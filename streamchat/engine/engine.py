@@ -52,10 +52,10 @@ class Engine:
         self.manager = KVCacheManager(self.pool, cache.block_size, cache.sink_tokens,
                                       cache.window_tokens, extra, cache.prefix_sharing, cache.eviction,
                                       H2O(cache.h2o_recent_tokens, cache.h2o_decay))
-        if cache.eviction == "h2o" and runner.model.backend.name != "torch":
-            raise ConfigError(f"--eviction h2o needs attention mass per block, which only the torch attention "
-                              f"backend computes (not {runner.model.backend.name!r}); use --attention-backend "
-                              f"torch or --eviction sink_window")
+        if cache.eviction == "h2o" and not getattr(runner.model.backend, "computes_mass", False):
+            raise ConfigError(f"--eviction h2o needs attention mass per block, which the cpu and torch attention "
+                              f"backends compute (not {runner.model.backend.name!r}); use --attention-backend "
+                              f"cpu or torch, or --eviction sink_window")
         if cache.max_blocks_per_session() > self.pool.num_usable:
             raise ConfigError(
                 f"sink_tokens + window_tokens need {cache.max_blocks_per_session()} blocks per session, "

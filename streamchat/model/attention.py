@@ -15,12 +15,13 @@ Only the torch backend fills it; the Triton backend refuses such a step.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from streamchat.kernels import reference
+from streamchat.kernels import cpu, reference
 
 
 @dataclass
@@ -90,6 +91,7 @@ class TorchBackend:
     """
 
     name = "torch"
+    computes_mass = True  # fills a step's block_mass (h2o eviction)
 
     def __init__(self) -> None:
         self.workspace = reference.Workspace()
@@ -102,15 +104,18 @@ class TorchBackend:
         key_cos, key_sin = reference.rope_rows(cos, sin, meta.slot_mapping % bs, torch.float32)
         decode = prefill = None
         if meta.decode is not None:
-            g = meta.decode
-            decode = reference.decode_plan(g.block_tables, g.seq_lens, bs, heads.num_heads, heads.num_kv_heads,
-                                           cos, sin, dtype, self.workspace)
+            decode = self.decode_plan(meta.decode, bs, cos, sin, dtype, heads)
         if meta.prefill is not None:
             g = meta.prefill
             prefill = reference.prefill_plan(g.block_tables, g.query_lens, g.key_lens,
                                              positions[meta.num_decode:], bs, heads.num_heads,
                                              heads.num_kv_heads, cos, sin, dtype, self.workspace)
         return (key_cos[:, None], key_sin[:, None]), decode, prefill
+
+    def decode_plan(self, g: DecodeGroup, block_size: int, cos: torch.Tensor, sin: torch.Tensor,
+                    dtype: torch.dtype, heads: Heads):
+        return reference.decode_plan(g.block_tables, g.seq_lens, block_size, heads.num_heads, heads.num_kv_heads,
+                                     cos, sin, dtype, self.workspace)
 
     def write(self, kv: LayerKV, key: torch.Tensor, value: torch.Tensor, plan: StepPlan) -> None:
         reference.store_kv(kv.key, kv.value, key, value, plan.meta.slot_mapping, *plan.write,
@@ -125,17 +130,65 @@ class TorchBackend:
         return reference.prefill(q, kv.key, kv.value, plan.prefill, scale, kv.k_scale, kv.v_scale, mass)
 
 
+class CpuDecode:
+    """A decode plan of the C kernel: the group's tables and lengths as int32, the rope tables, and
+    the reference's plan, built only if a layer's pool is one the kernel does not read (quantized)."""
+
+    def __init__(self, group: DecodeGroup, cos: torch.Tensor, sin: torch.Tensor, reference_plan) -> None:
+        self.tables = group.block_tables.to(torch.int32).contiguous()
+        self.seq_lens = group.seq_lens.to(torch.int32).contiguous()
+        self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()
+        self._reference_plan = reference_plan
+
+    @functools.cached_property
+    def reference(self) -> reference.DecodePlan:
+        return self._reference_plan()
+
+
+class CpuBackend(TorchBackend):
+    """The torch backend with decode attention by the C kernel (kernels/cpu_decode.c), which reads the
+    pool's blocks in place instead of gathering them; prefill, writes and quantized pools are the
+    reference's. The kernel is held to the reference by the tests."""
+
+    name = "cpu"
+
+    def decode_plan(self, g: DecodeGroup, block_size: int, cos: torch.Tensor, sin: torch.Tensor,
+                    dtype: torch.dtype, heads: Heads) -> CpuDecode:
+        return CpuDecode(g, cos, sin, lambda: super(CpuBackend, self).decode_plan(g, block_size, cos, sin, dtype,
+                                                                                   heads))
+
+    def decode(self, q: torch.Tensor, kv: LayerKV, plan: StepPlan, scale: float) -> torch.Tensor:
+        mass = None if plan.block_mass is None else plan.block_mass[:plan.meta.num_decode]
+        d = plan.decode
+        if not cpu.supports(kv.key, kv.k_scale, q.shape[-1]):
+            return reference.decode(q, kv.key, kv.value, d.reference, scale, kv.k_scale, kv.v_scale, mass)
+        shape = (q.shape[0], q.shape[1], kv.key.shape[2], q.shape[2], d.tables.shape[1])
+        n_partial, n_stats = cpu.scratch_sizes(*shape)
+        partial = self.workspace.take("cpu.partial", (n_partial,), torch.float32, q.device)
+        stats = None if mass is None else self.workspace.take("cpu.stats", (n_stats,), torch.float32, q.device)
+        return cpu.paged_decode(q, kv.key, kv.value, d.tables, d.seq_lens, d.cos, d.sin, scale, mass,
+                                partial, stats)
+
+
 def make_backend(name: str, device: torch.device):
-    """`auto`: Triton on CUDA, the torch reference elsewhere."""
+    """`auto`: Triton on CUDA; on CPU the C decode kernel when it builds, else the torch reference."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            name = "cpu" if cpu.library() is not None else "torch"
+    if name == "cpu":
+        if device.type != "cpu" or cpu.library() is None:
+            raise ValueError("--attention-backend cpu needs a CPU device and a C compiler (cc) to build its "
+                             "decode kernel; use torch")
+        return CpuBackend()
     if name == "torch":
         return TorchBackend()
     if name == "triton":
         from streamchat.kernels.backend import TritonBackend
 
         return TritonBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, cpu, torch or triton")
 
 
 def plan_step(backend, meta: AttentionMetadata, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -146,7 +199,7 @@ def plan_step(backend, meta: AttentionMetadata, positions: torch.Tensor, cos: to
     model's float32 rotary tables; dtype the model's; block_mass an accumulator
     for attention mass per chunk and table index (None: not wanted).
     """
-    if block_mass is not None and backend.name != "torch":
+    if block_mass is not None and not getattr(backend, "computes_mass", False):
         raise ValueError(f"attention mass per block (h2o eviction) is computed by the torch attention "
                          f"backend only, not {backend.name!r}; use --attention-backend torch or "
                          f"--eviction sink_window")

@@ -134,8 +134,8 @@ class ModelRunner:
         s = self.model.shape
         self.block_size = cache.block_size
         self.kv_dtype = cache.kv_dtype  # a name: auto, int8, fp8, int4
-        if cache.kv_dtype == "int4" and self.model.backend.name != "torch":
-            raise ConfigError("--kv-dtype int4 runs on the torch attention backend only")
+        if cache.kv_dtype == "int4" and self.model.backend.name == "triton":
+            raise ConfigError("--kv-dtype int4 runs on the torch (or cpu) attention backend only, not triton")
         self.bytes_per_token = quant.bytes_per_token(cache.kv_dtype, self.model.dtype, s.num_layers,
                                                      s.num_kv_heads, s.head_dim, cache.block_size)
         self.num_blocks = num_blocks_for(cache, self.bytes_per_token)

@@ -1,0 +1,162 @@
+"""The CPU decode kernel (cpu_decode.c): built once per machine with the system's C compiler, called by ctypes.
+
+Why C and not torch: the reference gathers each sequence's whole context
+into a workspace per layer before multiplying (reference.py `decode`), and
+that copy, not the arithmetic, was the largest part of a long decode step
+(see cpu_decode.c). The kernel reads the pool where it lies. It is an
+optimisation only: the reference stays the CPU's oracle, the tests hold the
+kernel to it, and without a compiler (or for a quantized pool) the torch
+backend runs the reference.
+
+Build: `$CC` (default `cc`) with -O3 -march=native -fopenmp into
+`$STREAMCHAT_KERNEL_CACHE` (default ~/.cache/streamchat/kernels), named by a
+hash of the source, the flags, the compiler's version and the CPU's feature
+flags, so a changed source, compiler or machine builds afresh. The library
+links libgomp by soname; torch has already loaded its own copy under that
+soname, so the kernel's threads are torch's (one OpenMP runtime, one pool
+of threads, the same thread count).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("streamchat.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+CHUNK_BLOCKS = 16  # blocks per work item: 256 keys of 16, a context of 2,048 is 8 items per KV head
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("STREAMCHAT_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "streamchat" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                       timeout=300, check=True)
+        os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, building it on first use; None (logged once) when it cannot be built."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        cc = os.environ.get("CC", "cc")
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or str(e)
+            log.warning("the CPU decode kernel could not be built with %r (%s); decode attention runs the "
+                        "torch reference instead", cc, detail.strip().splitlines()[-1:] or e)
+            return None
+        f = lib.paged_decode
+        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        f.argtypes = [p, p, p, i, p, i64, p, p, p, p, p, i64, p, p, i, i, i, i, i, i, i, ctypes.c_float]
+        f.restype = i
+        _lib = lib
+        return lib
+
+
+def supports(key_cache: torch.Tensor, k_scale: torch.Tensor | None, head_dim: int) -> bool:
+    """Whether the kernel reads this pool: unquantized float32/bfloat16/float16 on the CPU."""
+    return (k_scale is None and key_cache.device.type == "cpu" and key_cache.dtype in DTYPES
+            and key_cache.shape[-1] == head_dim and key_cache.is_contiguous())
+
+
+def scratch_sizes(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                  max_blocks: int) -> tuple[int, int]:
+    """Floats of `partial` and of `stats` (the latter only used with block_mass) for a step's shape."""
+    group = num_heads // num_kv_heads
+    runs = -(-max_blocks // CHUNK_BLOCKS)
+    return num_seqs * runs * num_heads * (head_dim + 2), num_seqs * num_kv_heads * group * max_blocks * 2
+
+
+def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 scale: float, block_mass: torch.Tensor | None = None,
+                 partial: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.paged_decode_attention for an unquantized CPU pool: q (B, H, D) -> out (B, H, D) in q's dtype.
+
+    block_tables (B, max_blocks) and seq_lens (B,) must be contiguous int32,
+    cos/sin contiguous float32; `partial`/`stats` are float32 scratch of at
+    least `scratch_sizes` (allocated here when None).
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the CPU decode kernel is not available (see the log)")
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    max_blocks = block_tables.shape[1]
+    for name, t, dtype in (("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
+                           ("cos", cos, torch.float32), ("sin", sin, torch.float32)):
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {dtype}, got {t.dtype}")
+    if not supports(key_cache, None, head_dim) or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"the CPU decode kernel reads contiguous float pools, not {key_cache.dtype}")
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty_like(qf)
+    n_partial, n_stats = scratch_sizes(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks)
+    if partial is None or partial.numel() < n_partial:
+        partial = torch.empty(n_partial, dtype=torch.float32)
+    mass_ptr, mass_stride, stats_ptr = None, 0, None
+    if block_mass is not None:
+        if block_mass.dtype != torch.float32 or block_mass.stride(1) != 1 or block_mass.shape[1] < max_blocks:
+            raise ValueError("block_mass must be float32 (B, >= max_blocks) with unit inner stride")
+        if stats is None or stats.numel() < n_stats:
+            stats = torch.empty(n_stats, dtype=torch.float32)
+        mass_ptr, mass_stride, stats_ptr = block_mass.data_ptr(), block_mass.stride(0), stats.data_ptr()
+    rc = lib.paged_decode(qf.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), DTYPES[key_cache.dtype],
+                          block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), cos.data_ptr(),
+                          sin.data_ptr(), out.data_ptr(), mass_ptr, mass_stride, partial.data_ptr(), stats_ptr,
+                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, CHUNK_BLOCKS,
+                          float(scale))
+    if rc != 0:
+        raise ValueError(f"the CPU decode kernel does not take this shape (group {num_heads // num_kv_heads}, "
+                         f"head_dim {head_dim}, block_size {block_size})")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

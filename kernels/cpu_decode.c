@@ -1,0 +1,277 @@
+/* Paged decode attention on CPU: one query per sequence, read from the pool's blocks where they lie.
+ *
+ * The torch reference (reference.py `decode`) gathers every sequence's whole
+ * context into a workspace per layer and multiplies it there: the copy moves
+ * as many bytes as the attention reads, and at 16 sessions x 2,000 tokens it
+ * was a third of a decode step. This kernel walks each sequence's block
+ * table and reads every key and value row once, in place, with the same
+ * layouts and the same position-free rotation (see reference.py's header):
+ *
+ *   key_cache, value_cache  (num_blocks, block_size, num_kv_heads, head_dim),
+ *                           float32, bfloat16 or float16 (`dtype` 0, 1, 2)
+ *   q, out                  (B, H, head_dim) float32, unrotated query in, attention out
+ *   block_tables            (B, table_stride) int32; seq_lens (B,) int32
+ *   cos, sin                (max_pos, head_dim) float32, rotate-half layout
+ *   block_mass              (B, mass_stride) float32 or NULL: ADDS each block's
+ *                           softmax probability summed over the H heads
+ *
+ * Work: one item per (sequence, run of `chunk` blocks), spread over the
+ * OpenMP threads of the process (the same libgomp as torch's, which the
+ * loader resolves by its soname), each keeping an online softmax of its run
+ * for every query head; a key row is loaded once for the G query heads of
+ * its KV head. A merge then combines a sequence's runs. The runs depend only
+ * on the sequence's own length, so a sequence's result is the same in any
+ * batch.
+ *
+ * `partial` holds B * ceil(max_blocks / chunk) items of
+ * H * (head_dim + 2) floats; `stats` (only with block_mass) B * num_kv_heads
+ * * G * max_blocks * 2 floats: each block's running max and its sum of
+ * exponentials against that max.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_G 32
+#define MAX_D 256
+#define MAX_BS 128 /* a multiple of 8: exp8 runs over whole vectors */
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* A row of head_dim values as float32: the pool's own memory when it is float32. */
+static inline const float *load_row(const void *pool, int dtype, int64_t row, int d, float *tmp) {
+    if (dtype == 0) return (const float *)pool + row * d;
+    if (dtype == 1) {
+        const uint16_t *p = (const uint16_t *)pool + row * d;
+#pragma omp simd
+        for (int j = 0; j < d; j++) tmp[j] = bf16_to_float(p[j]);
+    } else {
+        const _Float16 *p = (const _Float16 *)pool + row * d;
+#pragma omp simd
+        for (int j = 0; j < d; j++) tmp[j] = (float)p[j];
+    }
+    return tmp;
+}
+
+/* Eight floats, as GCC and Clang vector extensions spell them: one AVX register on x86-64, two NEON
+ * registers on arm64. Written out because the auto-vectorizer kept every reduction below as an
+ * in-order chain of scalar adds (no reassociation without -ffast-math, which this library must not
+ * use: it would set flush-to-zero for the whole process). */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f ld8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void st8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* e^x lane by lane for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2 / 2, e^r by its
+ * Taylor series to r^6 (relative error under 2e-7), times 2^n put into the exponent bits. Lanes
+ * below -87 give 0. glibc's expf is scalar here (it vectorizes only under -ffast-math). */
+static inline v8f exp8(v8f x) {
+    const v8f lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+    const v8i under = x < lo;
+    x = (v8f)(((v8i)x & ~under) | ((v8i)lo & under));
+    const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
+    const v8f n = (x * 1.44269504088896341f + magic) - magic;
+    const v8f r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  /* ln2 in two parts */
+    v8f p = r * (1.0f / 720) + (1.0f / 120);
+    p = p * r + (1.0f / 24);
+    p = p * r + (1.0f / 6);
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const v8i e = (v8i)p + (__builtin_convertvector(n, v8i) << 23);
+    return (v8f)(e & ~under);
+}
+
+static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+/* out[r] = scale * (q . rows[r]) for r < n (d a multiple of 8), four rows at a time: four chains. */
+static inline void dots(const float *q, const float *const *rows, int n, int d, float scale, float *out) {
+    int r = 0;
+    for (; r + 4 <= n; r += 4) {
+        const float *k0 = rows[r], *k1 = rows[r + 1], *k2 = rows[r + 2], *k3 = rows[r + 3];
+        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int j = 0; j < d; j += 8) {
+            const v8f x = ld8(q + j);
+            a0 += x * ld8(k0 + j);
+            a1 += x * ld8(k1 + j);
+            a2 += x * ld8(k2 + j);
+            a3 += x * ld8(k3 + j);
+        }
+        out[r] = hsum8(a0) * scale;
+        out[r + 1] = hsum8(a1) * scale;
+        out[r + 2] = hsum8(a2) * scale;
+        out[r + 3] = hsum8(a3) * scale;
+    }
+    for (; r < n; r++) {
+        v8f a0 = {0};
+        for (int j = 0; j < d; j += 8) a0 += ld8(q + j) * ld8(rows[r] + j);
+        out[r] = hsum8(a0) * scale;
+    }
+}
+
+/* acc[0:d] += sum_t w[t] * rows[t][0:d], eight columns at a time kept in registers over the rows. */
+static inline void axpy_rows(float *acc, const float *w, const float *const *rows, int n, int d) {
+    for (int j = 0; j < d; j += 8) {
+        v8f r0 = ld8(acc + j), r1 = {0};
+        int t = 0;
+        for (; t + 2 <= n; t += 2) {
+            r0 += w[t] * ld8(rows[t] + j);
+            r1 += w[t + 1] * ld8(rows[t + 1] + j);
+        }
+        if (t < n) r0 += w[t] * ld8(rows[t] + j);
+        st8(acc + j, r0 + r1);
+    }
+}
+
+typedef struct {
+    const float *q;
+    const void *kc, *vc;
+    int dtype;
+    const int32_t *tables;
+    int64_t table_stride;
+    const int32_t *seq_lens;
+    const float *cos, *sin;
+    int heads, kv_heads, d, bs, max_blocks, chunk;
+    float scale;
+    float *partial, *stats;
+} Args;
+
+static inline void prefetch_block(const void *pool, int dtype, int64_t blk, int rows_per_block, int d) {
+    const int elem = dtype == 0 ? 4 : 2;
+    const char *p = (const char *)pool + blk * rows_per_block * d * elem;
+    for (int64_t off = 0; off < (int64_t)rows_per_block * d * elem; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+/* One run of blocks [i0, i1) of sequence b, every KV head: per query head the run's max, sum and
+ * output, accumulated in `part` (heads x (d + 2) floats: max, sum, d outputs). A block's rows for
+ * all KV heads lie together (one contiguous span), read in order while the next block is
+ * prefetched: blocks sit anywhere in the pool, and without the prefetch every block's first rows
+ * waited on memory. */
+static void run_blocks(const Args *a, int b, int i0, int i1, float *part) {
+    const int g_n = a->heads / a->kv_heads, d = a->d, half = a->d / 2, bs = a->bs, kvh = a->kv_heads;
+    const int len = a->seq_lens[b], qpos = len - 1;
+    const int64_t row_stride = d + 2;
+    float qr[MAX_G][MAX_D], s[MAX_G][MAX_BS], tmp[MAX_BS][MAX_D];
+    for (int hq = 0; hq < a->heads; hq++) {
+        float *ph = part + hq * row_stride;
+        ph[0] = -FLT_MAX;
+        ph[1] = 0.0f;
+        memset(ph + 2, 0, sizeof(float) * d);
+    }
+    for (int i = i0; i < i1; i++) {
+        const int start = i * bs;
+        const int valid = len - start < bs ? len - start : bs;
+        const int64_t blk = a->tables[(int64_t)b * a->table_stride + i];
+        if (i + 1 < i1) {
+            const int64_t next = a->tables[(int64_t)b * a->table_stride + i + 1];
+            prefetch_block(a->kc, a->dtype, next, bs * kvh, d);
+            prefetch_block(a->vc, a->dtype, next, bs * kvh, d);
+        }
+        const float *c = a->cos + (int64_t)(qpos - start) * d, *sn = a->sin + (int64_t)(qpos - start) * d;
+        for (int h = 0; h < kvh; h++) {
+            for (int g = 0; g < g_n; g++) {  /* the query as this block sees it: R(p - start) q */
+                const float *qv = a->q + ((int64_t)b * a->heads + h * g_n + g) * d;
+#pragma omp simd
+                for (int j = 0; j < half; j++) {
+                    qr[g][j] = qv[j] * c[j] - qv[j + half] * sn[j];
+                    qr[g][j + half] = qv[j + half] * c[j + half] + qv[j] * sn[j];
+                }
+            }
+            const float *rows[MAX_BS];
+            for (int t = 0; t < valid; t++) rows[t] = load_row(a->kc, a->dtype, (blk * bs + t) * kvh + h, d, tmp[t]);
+            for (int g = 0; g < g_n; g++) dots(qr[g], rows, valid, d, a->scale, s[g]);
+            for (int g = 0; g < g_n; g++) {
+                float *ph = part + (h * g_n + g) * row_stride;
+                float mb = s[g][0];
+                for (int t = 1; t < valid; t++) mb = s[g][t] > mb ? s[g][t] : mb;
+                const float mn = mb > ph[0] ? mb : ph[0];
+                const float corr = expf(ph[0] - mn);
+                float sum = 0.0f;
+                for (int t = 0; t < valid; t += 8) st8(s[g] + t, exp8(ld8(s[g] + t) - mn));
+                for (int t = 0; t < valid; t++) sum += s[g][t];
+                if (corr != 1.0f) {
+#pragma omp simd
+                    for (int j = 0; j < d; j++) ph[2 + j] *= corr;
+                }
+                ph[1] = ph[1] * corr + sum;
+                ph[0] = mn;
+                if (a->stats) {
+                    float *st = a->stats + ((((int64_t)b * kvh + h) * g_n + g) * a->max_blocks + i) * 2;
+                    st[0] = mn;
+                    st[1] = sum;
+                }
+            }
+            for (int t = 0; t < valid; t++) rows[t] = load_row(a->vc, a->dtype, (blk * bs + t) * kvh + h, d, tmp[t]);
+            for (int g = 0; g < g_n; g++) axpy_rows(part + (h * g_n + g) * row_stride + 2, s[g], rows, valid, d);
+        }
+    }
+}
+
+/* Returns 0, or -1 when a shape is past this kernel's fixed limits (the caller falls back). */
+int paged_decode(const float *q, const void *kc, const void *vc, int dtype, const int32_t *tables,
+                 int64_t table_stride, const int32_t *seq_lens, const float *cos, const float *sin,
+                 float *out, float *block_mass, int64_t mass_stride, float *partial, float *stats,
+                 int num_seqs, int heads, int kv_heads, int d, int bs, int max_blocks, int chunk,
+                 float scale) {
+    const int g_n = heads / kv_heads;
+    if (g_n > MAX_G || d > MAX_D || bs > MAX_BS || d % 8 || chunk < 1) return -1;
+    Args a = {q, kc, vc, dtype, tables, table_stride, seq_lens, cos, sin, heads, kv_heads, d, bs,
+              max_blocks, chunk, scale, partial, block_mass ? stats : NULL};
+    const int runs_max = (max_blocks + chunk - 1) / chunk;
+    const int items = num_seqs * runs_max;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int it = 0; it < items; it++) {
+        const int r = it % runs_max, b = it / runs_max;
+        const int blocks = (seq_lens[b] + bs - 1) / bs;
+        if (r * chunk >= blocks) continue;
+        const int i1 = (r + 1) * chunk < blocks ? (r + 1) * chunk : blocks;
+        run_blocks(&a, b, r * chunk, i1, partial + (int64_t)it * heads * (d + 2));
+    }
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < num_seqs; b++) {
+        const int blocks = (seq_lens[b] + bs - 1) / bs, runs = (blocks + chunk - 1) / chunk;
+        for (int h = 0; h < kv_heads; h++) {
+            for (int g = 0; g < g_n; g++) {
+                /* run r's row for query head h * G + g */
+                const float *first = partial + ((int64_t)b * runs_max * heads + h * g_n + g) * (d + 2);
+                const int64_t run_stride = (int64_t)heads * (d + 2);
+                float mx = -FLT_MAX, total = 0.0f;
+                for (int r = 0; r < runs; r++) {
+                    const float mr = first[r * run_stride];
+                    mx = mr > mx ? mr : mx;
+                }
+                float *o = out + ((int64_t)b * heads + h * g_n + g) * d;
+                memset(o, 0, sizeof(float) * d);
+                for (int r = 0; r < runs; r++) {
+                    const float *pr = first + r * run_stride;
+                    const float w = expf(pr[0] - mx);
+                    total += pr[1] * w;
+#pragma omp simd
+                    for (int j = 0; j < d; j++) o[j] += w * pr[2 + j];
+                }
+                const float inv = 1.0f / total;
+#pragma omp simd
+                for (int j = 0; j < d; j++) o[j] *= inv;
+                if (block_mass) {
+                    const float *st = stats + (((int64_t)b * kv_heads + h) * g_n + g) * max_blocks * 2;
+                    float *mass = block_mass + (int64_t)b * mass_stride;
+                    for (int i = 0; i < blocks; i++) mass[i] += st[2 * i + 1] * expf(st[2 * i] - mx) * inv;
+                }
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,116 @@
+"""The C decode kernel (kernels/cpu_decode.c) against the pure-torch reference, and the backend that runs it."""
+
+import pytest
+import torch
+
+from streamchat.kernels import cpu, reference
+from streamchat.model.attention import CpuBackend, TorchBackend, make_backend
+
+from test_kernel_attention import Pool, evicted_pool, rope  # tests/kernels is on sys.path
+
+pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler: the CPU decode kernel is not built")
+
+
+def case(pool: Pool, num_heads: int, head_dim: int, mass: bool = False, seed: int = 1):
+    """(kernel out, reference out, kernel mass, reference mass) for one decode step over the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(len(pool.seq_lens), num_heads, head_dim, generator=gen).to(pool.key.dtype)
+    cos, sin = rope(int(pool.tables.shape[1]) * pool.block_size, head_dim)
+    scale = head_dim ** -0.5
+    width = pool.tables.shape[1] + 2  # the runner's accumulator is wider than the table
+    got_mass = torch.full((len(pool.seq_lens), width), 0.5) if mass else None
+    ref_mass = got_mass.clone() if mass else None
+    out = cpu.paged_decode(q, pool.key, pool.value, pool.tables, pool.seq_lens, cos, sin, scale, got_mass)
+    key, value = pool.clean(torch.float32)
+    ref = reference.paged_decode_attention(q.float(), key, value, pool.tables, pool.seq_lens, cos, sin, scale,
+                                           block_mass=ref_mass)
+    return out, ref, got_mass, ref_mass
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert not out.isnan().any(), "the kernel read a slot it does not own"
+    tol = 2e-5 if out.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (64, 3, 16), (128, 4, 32), (64, 8, 8)],
+                         ids=str)
+def test_matches_reference_for_ragged_lengths(head_dim, group, block_size):
+    """Ragged lengths in shuffled blocks (every slot no sequence holds is nan), each GQA ratio and block size,
+    across more than one run of blocks per sequence (the runs are merged)."""
+    lens = [1, 37, 70, cpu.CHUNK_BLOCKS * block_size * 2 + 5]
+    pool = Pool(lens, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=torch.float32)
+    out, ref, _, _ = case(pool, 2 * group, head_dim)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_reads_16_bit_pools(dtype):
+    """bfloat16 and float16 pools are widened row by row; the output comes back in the query's dtype."""
+    pool = Pool([5, 300], num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    out, ref, _, _ = case(pool, 9, 64)
+    assert out.dtype == dtype
+    assert_close(out, ref)
+
+
+def test_attention_mass_matches_reference():
+    """With block_mass the kernel ADDS each block's probability summed over heads, as the reference does."""
+    pool = Pool([3, 16, 200, 700], num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
+    out, ref, got_mass, ref_mass = case(pool, 9, 64, mass=True)
+    assert_close(out, ref)
+    torch.testing.assert_close(got_mass, ref_mass, atol=1e-5, rtol=1e-5)
+    blocks = (pool.seq_lens + 15) // 16
+    assert torch.allclose(got_mass.sum(1) - 0.5 * got_mass.shape[1], torch.full((4,), 9.0), atol=1e-4)
+    assert (got_mass[0, blocks[0]:] == 0.5).all()  # past a sequence's blocks nothing is added
+
+
+def test_reads_through_evicted_gaps():
+    """Sinks then later blocks (positions are table indices); evicted blocks, poisoned, are never read."""
+    pool = evicted_pool(16, torch.float32)
+    out, ref, _, _ = case(pool, 4, 64)
+    assert_close(out, ref)
+
+
+def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch():
+    """The runs of blocks depend only on a sequence's own length: batched = alone, bit for bit
+    (what greedy batched = alone needs)."""
+    lens = [900, 17, 333]
+    pool = Pool(lens, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
+    q = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(5))
+    cos, sin = rope(int(pool.tables.shape[1]) * 16, 64)
+    batch = cpu.paged_decode(q, pool.key, pool.value, pool.tables, pool.seq_lens, cos, sin, 0.125)
+    for b in range(3):
+        alone = cpu.paged_decode(q[b:b + 1], pool.key, pool.value, pool.tables[b:b + 1].contiguous(),
+                                 pool.seq_lens[b:b + 1].contiguous(), cos, sin, 0.125)
+        assert torch.equal(alone[0], batch[b])
+
+
+def test_refuses_what_it_cannot_read():
+    """Quantized pools go to the reference (supports() says no); wrong index dtypes are a clear error."""
+    pool = Pool([20], num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.int8)
+    assert not cpu.supports(pool.key, pool.k_scale, 64)
+    f32 = Pool([20], num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32)
+    cos, sin = rope(32, 64)
+    with pytest.raises(ValueError, match="block_tables must be contiguous torch.int32"):
+        cpu.paged_decode(torch.randn(1, 2, 64), f32.key, f32.value, f32.tables.long(), f32.seq_lens, cos, sin, 1.0)
+    with pytest.raises(ValueError, match="does not take this shape"):  # head_dim not a multiple of 8
+        odd = torch.randn(4, 16, 1, 12)
+        cpu.paged_decode(torch.randn(1, 1, 12), odd, odd, torch.zeros(1, 1, dtype=torch.int32),
+                         torch.ones(1, dtype=torch.int32), *rope(16, 12), 1.0)
+
+
+def test_auto_backend_on_cpu_is_the_kernel_and_torch_stays_the_reference():
+    assert isinstance(make_backend("auto", torch.device("cpu")), CpuBackend)
+    torch_backend = make_backend("torch", torch.device("cpu"))
+    assert isinstance(torch_backend, TorchBackend) and not isinstance(torch_backend, CpuBackend)
+    with pytest.raises(ValueError, match="needs a CPU device"):
+        make_backend("cpu", torch.device("meta"))
+
+
+def test_the_build_is_cached_by_source_and_machine(tmp_path, monkeypatch):
+    """A fresh cache directory builds the library once; the second build finds it."""
+    monkeypatch.setenv("STREAMCHAT_KERNEL_CACHE", str(tmp_path))
+    first = cpu._build("cc")
+    assert first.parent == tmp_path and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert cpu._build("cc") == first and first.stat().st_mtime_ns == mtime
