@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens session B appends in one call in the mixed case; 0 skips it (default 10000)")
     p.add_argument("--mixed-tokens", type=int, default=256, help="session A's response length in the mixed case")
     p.add_argument("--mixed-warmup", type=int, default=16, help="A's deltas before B appends")
-    p.add_argument("--kv-memory-gib", type=float, default=1.0, help="KV pool size (default 1)")
+    p.add_argument("--kv-memory-gib", type=float, default=0.0, help="KV pool size (default 0: the daemon's auto)")
     p.add_argument("--kv-dtype", default="auto", help="KV pool storage: auto (the model's dtype), int8, fp8, int4")
     p.add_argument("--max-tokens-per-step", type=int, default=None, help="default: SchedulerConfig's")
     p.add_argument("--target-step-ms", type=float, default=None, help="default: SchedulerConfig's")

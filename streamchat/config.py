@@ -54,7 +54,7 @@ class CacheConfig:
 
     block_size: int = 16
     num_blocks: int = 0  # 0: size from kv_memory_gib
-    kv_memory_gib: float = 1.0  # pool bytes when num_blocks is 0
+    kv_memory_gib: float = 0.0  # pool size when num_blocks is 0; 0: auto (`auto_kv_bytes`)
     sink_tokens: int = 4  # rounded up to whole blocks
     window_tokens: int = 2048  # rounded up to whole blocks
     pin_system_prompt: bool = True  # the system prompt joins the sinks
@@ -82,8 +82,8 @@ class CacheConfig:
             )
         if self.num_blocks < 0:
             raise ConfigError(f"num_blocks must be >= 0, got {self.num_blocks}")
-        if self.num_blocks == 0 and self.kv_memory_gib <= 0:
-            raise ConfigError("kv_memory_gib must be > 0 when num_blocks is 0")
+        if self.kv_memory_gib < 0:
+            raise ConfigError(f"kv_memory_gib must be >= 0 (0: auto), got {self.kv_memory_gib}")
         _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         _choice("eviction", self.eviction, EVICTIONS)
         if self.h2o_recent_tokens < 0 or (self.eviction == "h2o" and

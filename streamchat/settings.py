@@ -36,6 +36,8 @@ HELP = {
                          "model's own name; '*': accept any name)",
     "api_key": "require `Authorization: Bearer KEY` on the websocket handshake",
     "num_blocks": "KV pool blocks (0: size the pool from --kv-memory-gib)",
+    "kv_memory_gib": "KV pool size when --num-blocks is 0 (0: an eighth of the machine's memory, or of the "
+                     "GPU's, at least 1 GiB)",
     "host_tier_gib": "host memory for idle sessions' KV blocks (pinned on CUDA; 0: off)",
     "disk_tier_gib": "size budget of the data directory of saved sessions, least recently used deleted first (0: off)",
     "data_dir": "where saved sessions go (default: next to the SQLite file, else $XDG_DATA_HOME/streamchat/kv)",

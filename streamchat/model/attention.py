@@ -146,11 +146,24 @@ class CpuDecode:
 
 
 class CpuBackend(TorchBackend):
-    """The torch backend with decode attention by the C kernel (kernels/cpu_decode.c), which reads the
-    pool's blocks in place instead of gathering them; prefill, writes and quantized pools are the
-    reference's. The kernel is held to the reference by the tests."""
+    """The torch backend with decode attention and the KV write by the C kernels (kernels/cpu_decode.c):
+    decode reads the pool's blocks in place instead of gathering them. Prefill attention and quantized
+    pools are the reference's. The kernels are held to the reference by the tests."""
 
     name = "cpu"
+
+    def plan(self, meta: AttentionMetadata, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             dtype: torch.dtype, heads: Heads) -> tuple:
+        """The torch backend's plan, with the rope tables beside the write's rows (the C write reads them)."""
+        write, decode, prefill = super().plan(meta, positions, cos, sin, dtype, heads)
+        return (write, cos.float().contiguous(), sin.float().contiguous()), decode, prefill
+
+    def write(self, kv: LayerKV, key: torch.Tensor, value: torch.Tensor, plan: StepPlan) -> None:
+        rows, cos, sin = plan.write
+        if cpu.supports(kv.key, kv.k_scale, key.shape[-1]):
+            cpu.write_kv(kv.key, kv.value, key, value, plan.meta.slot_mapping, cos, sin)
+        else:
+            reference.store_kv(kv.key, kv.value, key, value, plan.meta.slot_mapping, *rows, kv.k_scale, kv.v_scale)
 
     def decode_plan(self, g: DecodeGroup, block_size: int, cos: torch.Tensor, sin: torch.Tensor,
                     dtype: torch.dtype, heads: Heads) -> CpuDecode:

@@ -31,7 +31,8 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-# In a subfolder: the converted folder's own *.safetensors are its weights and its fingerprint.
+# In a subfolder: the converted folder's own *.safetensors are its weights and its fingerprint. One file
+# per set of stored types read (linear-Q4_0-Q4_1.safetensors, ...).
 CACHE_FILE = Path("gguf-blocks") / "linear.safetensors"
 
 
@@ -69,7 +70,8 @@ def linear_weights(gguf: Path, folder: Path, hf_config, qtypes: Iterable[str]) -
     GGUFReader parses all metadata, the vocabulary included: 12 s for the
     bundled file here, against a fraction of a second for the cached copy.
     """
-    cached = folder / CACHE_FILE
+    qtypes = sorted(set(qtypes))
+    cached = folder / CACHE_FILE.with_name(f"{CACHE_FILE.stem}-{'-'.join(qtypes)}{CACHE_FILE.suffix}")
     if cached.is_file():
         return _load(cached)
     raw = read_linear_weights(gguf, hf_config, qtypes)

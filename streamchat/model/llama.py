@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from streamchat.kernels import cpu
 from streamchat.model.attention import AttentionMetadata, Heads, LayerKV, attend, plan_step
 from streamchat.model.qlinear import Linear
 from streamchat.model.weights import LinearBuilder
@@ -75,6 +76,7 @@ class LlamaModel:
         self.config = config
         self.shape = ModelShape.from_hf(config)
         self.dtype, self.device, self.backend = dtype, device, backend
+        self.small_norm = device.type == "cpu" and dtype == torch.float32 and backend.name == "cpu"
         w = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.final_norm = w["model.norm.weight"]
@@ -109,6 +111,10 @@ class LlamaModel:
         return self._cos, self._sin
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.small_norm and x.shape[0] <= cpu.SKINNY_MAX_ROWS:  # a decode step's rows: one C call
+            out = cpu.rms_norm(x, weight, self.shape.rms_norm_eps)
+            if out is not None:
+                return out
         # in float32, then back to the model dtype before the weight (as transformers does)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.rms_norm_eps)
         return weight * normed.to(x.dtype)

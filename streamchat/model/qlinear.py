@@ -33,6 +33,8 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
+from streamchat.kernels import cpu
+
 GROUP = 32  # int4 group size along in_features: Q4_0/Q4_1 blocks and the kernel's qGroupSize
 INT4_ROWS = 16  # the int4 packer wants out_features in multiples of this
 COMPUTE_DTYPE = torch.bfloat16
@@ -43,17 +45,59 @@ class Linear(Protocol):
 
 
 class DenseLinear:
-    """W as it is, in the model's dtype: F.linear."""
+    """W as it is, in the model's dtype: F.linear. On CPU in float32 a decode step's few rows go to
+    the C kernels instead (MKL's sgemm read W at a third of memory speed there): `groups`, when
+    given, holds the same W as the GGUF stores it (4- or 8-bit groups that decode to exactly this
+    weight), a quarter to an eighth of the bytes; otherwise `skinny_linear` streams W itself."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight, self.bias = weight, bias
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 groups: "cpu.Groups | None" = None) -> None:
+        self.weight, self.bias, self.groups = weight, bias, groups
+        self.skinny = weight.device.type == "cpu" and weight.dtype == torch.float32 and bias is None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skinny and x.dim() == 2 and x.shape[0] <= cpu.SKINNY_MAX_ROWS:
+            y = self.groups.matmul(x) if self.groups is not None else cpu.skinny_linear(x, self.weight)
+            if y is not None:
+                return y
         return F.linear(x, self.weight, self.bias)
 
     @property
     def nbytes(self) -> int:
-        return self.weight.nbytes
+        return self.weight.nbytes + (self.groups.nbytes if self.groups is not None else 0)
+
+
+class GroupLinear:
+    """W as the GGUF stores it in groups (`cpu.Groups`), on CPU: the int4 format's head when the
+    file's Q8_0 blocks decode to exactly the dense weight."""
+
+    def __init__(self, groups: "cpu.Groups", bias: torch.Tensor | None = None) -> None:
+        self.groups, self.bias = groups, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _finish(_grouped(self.groups, x), x, self.groups.n, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.groups.nbytes
+
+
+def q8_0_groups(raw: torch.Tensor) -> "cpu.Groups":
+    """GGUF Q8_0 rows (N, K/32 * 34) uint8 -> groups: block = d f16, 32 int8, w = d * q."""
+    n = raw.shape[0]
+    blocks = raw.view(n, -1, 34)  # (N, G, 34)
+    q = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, -1)  # (N, K)
+    return cpu.Groups(q, 8, _f16(blocks[..., 0:2]), None)
+
+
+def _grouped(groups: "cpu.Groups", x: torch.Tensor) -> torch.Tensor:
+    """x (..., K) @ W.T in float32 (M, N) by the C kernels: a decode step's few rows multiply the
+    grouped codes directly; a longer chunk widens W once into a reused buffer and runs sgemm."""
+    xf = x.reshape(-1, x.shape[-1]).float()
+    y = groups.matmul(xf)
+    if y is None:
+        y = F.linear(xf, groups.dequantize(cpu.dense_scratch(groups.n * groups.k)))
+    return y
 
 
 def _finish(y: torch.Tensor, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -70,6 +114,10 @@ class Int8Linear:
         assert q.dtype == torch.int8 and q.dim() == 2 and scale.shape == (q.shape[0],)
         self.q, self.scale = q.contiguous(), scale.to(compute_dtype)
         self.bias, self.compute_dtype = bias, compute_dtype
+        self.groups = None  # on CPU with the C kernels: as Int4Linear's, in float32 with float32 scales
+        if q.device.type == "cpu" and q.shape[1] % GROUP == 0 and cpu.library() is not None:
+            per_group = scale.float()[:, None].expand(-1, q.shape[1] // GROUP)
+            self.groups = cpu.Groups(self.q, 8, per_group, None)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -80,13 +128,15 @@ class Int8Linear:
         return cls(q, scale, bias, compute_dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.groups is not None:
+            return _finish(_grouped(self.groups, x), x, self.q.shape[0], self.bias)
         x2 = x.reshape(-1, x.shape[-1]).to(self.compute_dtype).contiguous()  # (M, K)
         y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)  # (M, N)
         return _finish(y, x, self.q.shape[0], self.bias)
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes
+        return self.q.nbytes + self.scale.nbytes + (self.groups.scale.nbytes if self.groups is not None else 0)
 
 
 class Int4Codes(NamedTuple):
@@ -148,20 +198,30 @@ def q4_0_codes(raw: torch.Tensor) -> Int4Codes:
 
 
 class Int4Linear:
-    """Asymmetric int4 in groups of 32 along in_features, packed for the CPU kernel."""
+    """Asymmetric int4 in groups of 32 along in_features.
+
+    On CPU with the C kernels (kernels/cpu.py): the codes two to a byte, as GGUF stores them; a decode
+    step's few rows multiply them directly (`group_linear`), a longer chunk widens the matrix into a
+    reused float32 buffer (exactly the dense weight) and runs sgemm, so prefill goes at dense speed.
+    Elsewhere: torch's packed int4 kernel for every row count.
+    """
 
     def __init__(self, c: Int4Codes, bias: torch.Tensor | None = None,
                  compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
         n, k = c.codes.shape
         if k % GROUP:
             raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {k}")
+        self.out_features, self.bias, self.compute_dtype = n, bias, compute_dtype
+        self.groups = None
+        if c.codes.device.type == "cpu" and cpu.library() is not None:
+            self.groups = cpu.Groups.from_codes(c.codes, c.scale, c.zero)
+            return
         pad = -n % INT4_ROWS  # zero rows, sliced off the output
         codes = F.pad(c.codes.to(torch.int32), (0, 0, 0, pad))  # (N + pad, K)
         sz = torch.stack([c.scale, c.zero], dim=-1)  # (N, G, 2)
         sz = F.pad(sz, (0, 0, 0, 0, 0, pad)).transpose(0, 1)  # (G, N + pad, 2)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
         self.scale_zero = sz.to(compute_dtype).contiguous()
-        self.out_features, self.bias, self.compute_dtype = n, bias, compute_dtype
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -169,10 +229,14 @@ class Int4Linear:
         return cls(minmax_codes(weight), bias, compute_dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.groups is not None:
+            return _finish(_grouped(self.groups, x), x, self.out_features, self.bias)
         x2 = x.reshape(-1, x.shape[-1]).to(self.compute_dtype).contiguous()  # (M, K)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scale_zero)  # (M, N + pad)
         return _finish(y, x, self.out_features, self.bias)
 
     @property
     def nbytes(self) -> int:
+        if self.groups is not None:
+            return self.groups.nbytes
         return self.packed.nbytes + self.scale_zero.nbytes

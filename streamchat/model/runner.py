@@ -7,6 +7,7 @@ about scheduling or sessions: it is handed a `StepBatch` and returns logits.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from streamchat.model import weights_auto
 from streamchat.model.llama import LlamaModel, load_state
 from streamchat.model.loader import ModelLoadError, ModelSource, default_cache_dir, resolve
 from streamchat.model.static_decode import StaticDecode
-from streamchat.model.weights import GGUF_INT4, LinearBuilder, check_device, served_source
+from streamchat.model.weights import GGUF_GROUPS, LinearBuilder, check_device, served_source
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if tokenizer.chat_template is None:
         raise ModelLoadError(f"{source.folder} has no chat template; streamchat serves chat models")
     backend = make_backend(cfg.attention_backend, device)
-    state, raw = load_state(source.folder), _gguf_raw(source, hf_config, cfg.weights)
+    state, raw = load_state(source.folder), _gguf_raw(source, hf_config, cfg.weights, device, dtype)
 
     def build(weights: str) -> LoadedModel:
         model = LlamaModel(hf_config, state, dtype, device, backend, LinearBuilder(weights, raw))
@@ -92,13 +93,17 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     return loaded
 
 
-def _gguf_raw(source: ModelSource, hf_config, weights: str):
-    """The GGUF's stored tensors when int4 may use its blocks; None otherwise."""
-    if source.gguf is None or weights not in ("int4", "auto"):
+def _gguf_raw(source: ModelSource, hf_config, weights: str, device: torch.device, dtype: torch.dtype):
+    """The GGUF's stored tensors when a format may use its blocks (int4; dense on CPU in float32, for
+    decode rows); None otherwise."""
+    from streamchat.kernels import cpu
+
+    dense_groups = device.type == "cpu" and dtype == torch.float32 and cpu.library() is not None
+    if source.gguf is None or not (weights in ("int4", "auto") or dense_groups):
         return None
     from streamchat.model.gguf_raw import linear_weights
 
-    return linear_weights(source.gguf, source.folder, hf_config, GGUF_INT4)
+    return linear_weights(source.gguf, source.folder, hf_config, GGUF_GROUPS)
 
 
 def _auto(cfg: ModelConfig, source: ModelSource, device, dtype, build, tokenizer) -> str:
@@ -115,10 +120,27 @@ def _auto(cfg: ModelConfig, source: ModelSource, device, dtype, build, tokenizer
     return weights_auto.choose(path, device, measure)
 
 
-def num_blocks_for(cache: CacheConfig, bytes_per_token: int) -> int:
+AUTO_KV_SHARE = 8  # --kv-memory-gib 0: an eighth of the device's memory ...
+AUTO_KV_MIN_GIB = 1.0  # ... but at least this
+
+
+def auto_kv_bytes(device: torch.device) -> int:
+    """The pool's size when none is given: an eighth of the machine's memory (CPU) or of the GPU's
+    (CUDA), at least 1 GiB. A fixed 1 GiB held 16 sessions of a 2,048-token window in bfloat16 but
+    not in float32 (a CPU without bf16 arithmetic): 1,456 blocks for 2,100 needed, so sessions took
+    turns in the pool and 16 long chats decoded at a third of the rate they do when all fit."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(int(AUTO_KV_MIN_GIB * (1 << 30)), total // AUTO_KV_SHARE)
+
+
+def num_blocks_for(cache: CacheConfig, bytes_per_token: int, device: torch.device) -> int:
     if cache.num_blocks:
         return cache.num_blocks
-    return max(2, int(cache.kv_memory_gib * (1 << 30)) // (bytes_per_token * cache.block_size))
+    size = int(cache.kv_memory_gib * (1 << 30)) if cache.kv_memory_gib else auto_kv_bytes(device)
+    return max(2, size // (bytes_per_token * cache.block_size))
 
 
 class ModelRunner:
@@ -138,7 +160,7 @@ class ModelRunner:
             raise ConfigError("--kv-dtype int4 runs on the torch (or cpu) attention backend only, not triton")
         self.bytes_per_token = quant.bytes_per_token(cache.kv_dtype, self.model.dtype, s.num_layers,
                                                      s.num_kv_heads, s.head_dim, cache.block_size)
-        self.num_blocks = num_blocks_for(cache, self.bytes_per_token)
+        self.num_blocks = num_blocks_for(cache, self.bytes_per_token, self.model.device)
         self.kv_caches = [self._layer_pool(cache.kv_dtype) for _ in range(s.num_layers)]
         graphs = cuda_graphs and self.model.device.type == "cuda" and self.model.backend.name == "triton"
         self.static = StaticDecode(self.model, self.kv_caches, self.block_size, max_batch,

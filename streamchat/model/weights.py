@@ -7,9 +7,14 @@ themselves live in `qlinear`; `auto`'s measured choice in `weights_auto`.
     format  q/k/v, o, gate/up, down                       lm_head (tied: the embedding)
     bf16    dense in the model's --dtype                  dense
     int8    int8 per output channel                       int8 per output channel
-    int4    GGUF Q4_0/Q4_1 tensors: their own blocks,     int8 per output channel
-            exactly; anything else (F32, F16, Q8_0, K-quants, a Hugging Face folder):
-            min/max groups of 32 from the dense weight
+    int4    GGUF Q4_0/Q4_1 tensors: their own blocks,     the GGUF's Q8_0 blocks exactly
+            exactly; anything else (F32, F16, Q8_0, K-quants, (CPU), else int8 per output
+            a Hugging Face folder): min/max groups of 32     channel
+            from the dense weight
+
+On CPU in float32 (the C kernels built), `bf16` also keeps the GGUF's own Q4/Q8_0 blocks beside each
+dense weight they decode to exactly: a decode step's few rows multiply those (a quarter or an eighth of
+the bytes), longer chunks the dense weight, so the served values are the dense ones either way.
 
 "bf16" is the issue's name for dense: the weights stay in whatever `--dtype`
 the model runs in (float32 on a CPU without bf16 instructions). The head is
@@ -29,14 +34,16 @@ import torch
 
 from streamchat.config import ConfigError
 from streamchat.model.gguf_raw import RawTensor
-from streamchat.model.qlinear import (COMPUTE_DTYPE, DenseLinear, Int4Codes, Int4Linear, Int8Linear, Linear,
-                                      cat_codes, minmax_codes, q4_0_codes, q4_1_codes)
+from streamchat.kernels import cpu
+from streamchat.model.qlinear import (COMPUTE_DTYPE, DenseLinear, GroupLinear, Int4Codes, Int4Linear, Int8Linear,
+                                      Linear, cat_codes, minmax_codes, q4_0_codes, q4_1_codes, q8_0_groups)
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("bf16", "int8", "int4")  # what `auto` chooses among, densest first
 QUANTIZED = ("int8", "int4")
 GGUF_INT4 = {"Q4_1": q4_1_codes, "Q4_0": q4_0_codes}
+GGUF_GROUPS = (*GGUF_INT4, "Q8_0")  # the stored types the CPU kernels read as they are
 HEAD_FORMAT = {"bf16": "bf16", "int8": "int8", "int4": "int8"}
 
 
@@ -84,8 +91,32 @@ class LinearBuilder:
             return Int4Linear(cat_codes([self._codes(w, n) for n in names]), bias, self.compute_dtype)
         weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
         if fmt == "int8":
+            groups = self._groups(w, names) if self.weights == "int4" and bias is None else None
+            if groups is not None and groups.bits == 8:  # int4's head: the file's own Q8_0, exactly
+                return GroupLinear(groups)
             return Int8Linear.quantize(weight, bias, self.compute_dtype)
-        return DenseLinear(weight, bias)
+        return DenseLinear(weight, bias, self._groups(w, names) if bias is None else None)
+
+    def _groups(self, w: dict[str, torch.Tensor], names: list[str]) -> "cpu.Groups | None":
+        """The fused projection as the GGUF stores it, for the CPU kernels: every part 4-bit, or one
+        Q8_0 matrix, each decoding to exactly its dense float32 weight; None otherwise."""
+        raws = [self.raw.get(n) for n in names]
+        if (any(r is None for r in raws) or w[names[0]].device.type != "cpu"
+                or w[names[0]].dtype != torch.float32 or cpu.library() is None):
+            return None
+        if all(r.qtype in GGUF_INT4 for r in raws):
+            codes = [GGUF_INT4[r.qtype](r.data) for r in raws]
+            if all(torch.equal(c.dequantize(), w[n]) for c, n in zip(codes, names)):
+                return cpu.Groups.from_codes(*cat_codes(codes))
+        elif len(raws) == 1 and raws[0].qtype == "Q8_0":
+            groups = q8_0_groups(raws[0].data)
+            if torch.equal(groups.dequantize(torch.empty(groups.n * groups.k)), w[names[0]]):
+                return groups
+        else:
+            return None
+        log.warning("%s: the GGUF's blocks do not decode to the converted weight; not using them",
+                    ", ".join(names))
+        return None
 
     def _codes(self, w: dict[str, torch.Tensor], name: str) -> Int4Codes:
         raw = self.raw.get(name)

@@ -1,5 +1,7 @@
 """Tests for quantized KV storage: round-trip bounds, attention tolerance, pool capacity arithmetic."""
 
+import os
+
 import pytest
 import torch
 
@@ -77,9 +79,22 @@ def test_bytes_per_token_and_pool_capacity_are_exact(kv_dtype, per_head):
 
     per_token = quant.bytes_per_token(kv_dtype, torch.bfloat16, 30, 3, 64)
     assert per_token == 2 * 30 * 3 * per_head
-    blocks = num_blocks_for(CacheConfig(kv_dtype=kv_dtype, kv_memory_gib=1.0), per_token)
+    blocks = num_blocks_for(CacheConfig(kv_dtype=kv_dtype, kv_memory_gib=1.0), per_token, torch.device("cpu"))
     assert blocks == (1 << 30) // (per_token * 16)
     assert {"auto": 2912, "int8": 5482, "fp8": 5482, "int4": 9811}[kv_dtype] == blocks
+
+
+def test_the_default_pool_is_an_eighth_of_memory_and_at_least_1_gib():
+    """--kv-memory-gib 0 (the default) sizes the pool from the machine's memory."""
+    from streamchat.model.runner import auto_kv_bytes, num_blocks_for
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    size = auto_kv_bytes(torch.device("cpu"))
+    assert size == max(1 << 30, total // 8)
+    per_token = quant.bytes_per_token("auto", torch.float32, 30, 3, 64)
+    assert num_blocks_for(CacheConfig(), per_token, torch.device("cpu")) == size // (per_token * 16)
+    with pytest.raises(ConfigError, match="kv_memory_gib must be >= 0"):
+        CacheConfig(kv_memory_gib=-1).validate()
 
 
 def test_bad_kv_dtype_lists_the_choices():
