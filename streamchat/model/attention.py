@@ -1,8 +1,9 @@
 """Attention metadata for one step, the plan its layers share, and the backend that consumes them.
 
 Owns the shape of what the runner passes down to attention (an argument,
-never a global), the choice, made once at start-up, between the pure-torch
-reference (CPU, and the oracle) and the Triton kernels (CUDA), and the
+never a global), the choice, made once at start-up, among the pure-torch
+reference (the oracle), the CPU backend (the reference with decode attention
+and the KV write by C kernels) and the Triton kernels (CUDA), and the
 per-step plan: everything the same for all layers (tables, lengths, rope
 rows, masks, the split of the chunks, the decode kernels' split buffers) is
 made once by the backend's `plan` and handed to every layer; buffers that
@@ -10,7 +11,7 @@ outlive a step (the torch backend's gather workspace) belong to the backend.
 A step that wants attention mass (h2o eviction) carries a `block_mass`
 accumulator in its plan, (chunks, max_blocks) float32: every layer's
 attention adds its probabilities per block into it (decode rows first).
-Only the torch backend fills it; the Triton backend refuses such a step.
+The torch and cpu backends fill it; the Triton backend refuses such a step.
 """
 
 from __future__ import annotations
