@@ -86,6 +86,8 @@ def _build(cc: str) -> Path:
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, building it on first use; None (logged once) when it cannot be built."""
     global _lib, _tried
+    if _tried:  # every decode-row call asks: no lock once decided
+        return _lib
     with _lock:
         if _tried:
             return _lib
@@ -155,9 +157,20 @@ class Groups:
         g = codes.view(n, k // 32, 2, 16)
         return cls((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2), 4, scale, zero)
 
+    @classmethod
+    def cat(cls, parts: list["Groups"]) -> "Groups":
+        """Several matrices' groups stacked along N (a fused projection); all of one width."""
+        zero = None if all(p.zero is None for p in parts) else torch.cat(
+            [p.zero if p.zero is not None else torch.zeros_like(p.scale) for p in parts])
+        return cls(torch.cat([p.q for p in parts]), parts[0].bits, torch.cat([p.scale for p in parts]), zero)
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.q, self.scale, self.zero) if t is not None)
+
+    def decodes_to(self, weight: torch.Tensor) -> bool:
+        """Whether these groups widen to exactly `weight` (N, K) float32."""
+        return torch.equal(self.dequantize(dense_scratch(self.n * self.k)), weight)
 
     def _ptrs(self) -> tuple:
         return (self.q.data_ptr(), self.bits, self.scale.data_ptr(),

@@ -214,9 +214,9 @@ def plan_step(backend, meta: AttentionMetadata, positions: torch.Tensor, cos: to
     for attention mass per chunk and table index (None: not wanted).
     """
     if block_mass is not None and not getattr(backend, "computes_mass", False):
-        raise ValueError(f"attention mass per block (h2o eviction) is computed by the torch attention "
-                         f"backend only, not {backend.name!r}; use --attention-backend torch or "
-                         f"--eviction sink_window")
+        raise ValueError(f"attention mass per block (h2o eviction) is computed by the cpu and torch "
+                         f"attention backends, not {backend.name!r}; use --attention-backend cpu or torch, "
+                         f"or --eviction sink_window")
     return StepPlan(meta, *backend.plan(meta, positions, cos, sin, dtype, heads), block_mass)
 
 

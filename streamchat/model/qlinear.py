@@ -90,6 +90,20 @@ def q8_0_groups(raw: torch.Tensor) -> "cpu.Groups":
     return cpu.Groups(q, 8, _f16(blocks[..., 0:2]), None)
 
 
+Q4_BLOCKS = {"Q4_1": (20, 4), "Q4_0": (18, 2)}  # GGUF block bytes, and where its 16-byte payload starts
+
+
+def q4_groups(raw: torch.Tensor, qtype: str) -> "cpu.Groups":
+    """GGUF Q4_0/Q4_1 rows (N, K/32 * block bytes) -> groups, the payloads as stored (already the
+    kernels' nibble order): scale d, zero m + 8d (Q4_1) or 0 (Q4_0), as `q4_1_codes`/`q4_0_codes` give."""
+    size, payload = Q4_BLOCKS[qtype]
+    n = raw.shape[0]
+    blocks = raw.view(n, -1, size)  # (N, G, size)
+    d = _f16(blocks[..., 0:2])
+    zero = _f16(blocks[..., 2:4]) + 8 * d if qtype == "Q4_1" else torch.zeros_like(d)
+    return cpu.Groups(blocks[..., payload:].reshape(n, -1), 4, d, zero)
+
+
 def _grouped(groups: "cpu.Groups", x: torch.Tensor) -> torch.Tensor:
     """x (..., K) @ W.T in float32 (M, N) by the C kernels: a decode step's few rows multiply the
     grouped codes directly; a longer chunk widens W once into a reused buffer and runs sgemm."""

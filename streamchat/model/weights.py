@@ -36,7 +36,7 @@ from streamchat.config import ConfigError
 from streamchat.model.gguf_raw import RawTensor
 from streamchat.kernels import cpu
 from streamchat.model.qlinear import (COMPUTE_DTYPE, DenseLinear, GroupLinear, Int4Codes, Int4Linear, Int8Linear,
-                                      Linear, cat_codes, minmax_codes, q4_0_codes, q4_1_codes, q8_0_groups)
+                                      Linear, cat_codes, minmax_codes, q4_0_codes, q4_1_codes, q4_groups, q8_0_groups)
 
 log = logging.getLogger(__name__)
 
@@ -105,15 +105,13 @@ class LinearBuilder:
                 or w[names[0]].dtype != torch.float32 or cpu.library() is None):
             return None
         if all(r.qtype in GGUF_INT4 for r in raws):
-            codes = [GGUF_INT4[r.qtype](r.data) for r in raws]
-            if all(torch.equal(c.dequantize(), w[n]) for c, n in zip(codes, names)):
-                return cpu.Groups.from_codes(*cat_codes(codes))
+            parts = [q4_groups(r.data, r.qtype) for r in raws]
         elif len(raws) == 1 and raws[0].qtype == "Q8_0":
-            groups = q8_0_groups(raws[0].data)
-            if torch.equal(groups.dequantize(torch.empty(groups.n * groups.k)), w[names[0]]):
-                return groups
+            parts = [q8_0_groups(raws[0].data)]
         else:
             return None
+        if all(p.decodes_to(w[n]) for p, n in zip(parts, names)):
+            return parts[0] if len(parts) == 1 else cpu.Groups.cat(parts)
         log.warning("%s: the GGUF's blocks do not decode to the converted weight; not using them",
                     ", ".join(names))
         return None
