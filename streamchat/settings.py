@@ -24,9 +24,11 @@ ALIASES = {("model", "path"): "model", ("store", "url"): "database_url"}
 HELP = {
     "model": "model folder (Hugging Face, safetensors) or .gguf file; default: bundled SmolLM2-135M-Instruct",
     "dtype": "model dtype: auto (bf16 where the CPU/GPU has it), float32, bfloat16, float16",
-    "weights": "weight format: bf16 (dense in --dtype), int8 (per channel), int4 (groups of 32; a Q4_1 GGUF's "
-               "own blocks), auto (the fastest within 1%% perplexity of dense, measured once and cached); "
+    "weights": "weight format: bf16 (dense in --dtype; on CPU in float32 a GGUF's own blocks serve decode rows), "
+               "int8 (per channel), int4 (groups of 32; a Q4_1 GGUF's own blocks), auto (the fastest within 1%% perplexity of dense, measured once and cached); "
                "int8/int4 run on CPU only",
+    "attention_backend": "auto (triton on CUDA; cpu, the C decode kernel, elsewhere; torch without a C compiler), "
+                         "cpu, torch (the pure-torch reference) or triton",
     "cuda_graphs": "replay decode steps as one CUDA graph per batch-size bucket (CUDA with Triton attention "
                    "only; ignored elsewhere); false: launch every kernel eagerly",
     "database_url": "SQLAlchemy URL of the session store",
