@@ -39,7 +39,13 @@ log = logging.getLogger("streamchat.kernels")
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-CHUNK_BLOCKS = 16  # blocks per work item: 256 keys of 16, a context of 2,048 is 8 items per KV head
+RUN_TOKENS = 256  # keys per work item at most (whole blocks): a context of 2,048 in blocks of 16 is 8 items
+MAX_HEADS, MAX_HEAD_DIM, MAX_HEADS_X_DIM = 128, 256, 8192  # the kernel's fixed arrays (cpu_decode.c)
+
+
+def chunk_blocks(block_size: int) -> int:
+    """Blocks per work item."""
+    return max(1, RUN_TOKENS // block_size)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -238,11 +244,17 @@ def supports(key_cache: torch.Tensor, k_scale: torch.Tensor | None, head_dim: in
             and key_cache.shape[-1] == head_dim and key_cache.is_contiguous())
 
 
+def fits(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether the kernel takes this attention shape (else the caller runs the reference)."""
+    return (num_heads <= MAX_HEADS and head_dim <= MAX_HEAD_DIM and num_heads * head_dim <= MAX_HEADS_X_DIM
+            and head_dim % 8 == 0 and num_heads % num_kv_heads == 0 and block_size <= RUN_TOKENS)
+
+
 def scratch_sizes(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                  max_blocks: int) -> tuple[int, int]:
+                  max_blocks: int, block_size: int) -> tuple[int, int]:
     """Floats of `partial` and of `stats` (the latter only used with block_mass) for a step's shape."""
     group = num_heads // num_kv_heads
-    runs = -(-max_blocks // CHUNK_BLOCKS)
+    runs = -(-max_blocks // chunk_blocks(block_size))
     return num_seqs * runs * num_heads * (head_dim + 2), num_seqs * num_kv_heads * group * max_blocks * 2
 
 
@@ -270,7 +282,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         raise ValueError(f"the CPU decode kernel reads contiguous float pools, not {key_cache.dtype}")
     qf = q.to(torch.float32).contiguous()
     out = torch.empty_like(qf)
-    n_partial, n_stats = scratch_sizes(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks)
+    n_partial, n_stats = scratch_sizes(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks, block_size)
     if partial is None or partial.numel() < n_partial:
         partial = torch.empty(n_partial, dtype=torch.float32)
     mass_ptr, mass_stride, stats_ptr = None, 0, None
@@ -283,7 +295,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     rc = lib.paged_decode(qf.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), DTYPES[key_cache.dtype],
                           block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), cos.data_ptr(),
                           sin.data_ptr(), out.data_ptr(), mass_ptr, mass_stride, partial.data_ptr(), stats_ptr,
-                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, CHUNK_BLOCKS,
+                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, chunk_blocks(block_size),
                           float(scale))
     if rc != 0:
         raise ValueError(f"the CPU decode kernel does not take this shape (group {num_heads // num_kv_heads}, "

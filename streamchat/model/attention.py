@@ -174,9 +174,10 @@ class CpuBackend(TorchBackend):
     def decode(self, q: torch.Tensor, kv: LayerKV, plan: StepPlan, scale: float) -> torch.Tensor:
         mass = None if plan.block_mass is None else plan.block_mass[:plan.meta.num_decode]
         d = plan.decode
-        if not cpu.supports(kv.key, kv.k_scale, q.shape[-1]):
+        if not (cpu.supports(kv.key, kv.k_scale, q.shape[-1])
+                and cpu.fits(q.shape[1], kv.key.shape[2], q.shape[2], kv.key.shape[1])):
             return reference.decode(q, kv.key, kv.value, d.reference, scale, kv.k_scale, kv.v_scale, mass)
-        shape = (q.shape[0], q.shape[1], kv.key.shape[2], q.shape[2], d.tables.shape[1])
+        shape = (q.shape[0], q.shape[1], kv.key.shape[2], q.shape[2], d.tables.shape[1], kv.key.shape[1])
         n_partial, n_stats = cpu.scratch_sizes(*shape)
         partial = self.workspace.take("cpu.partial", (n_partial,), torch.float32, q.device)
         stats = None if mass is None else self.workspace.take("cpu.stats", (n_stats,), torch.float32, q.device)

@@ -38,7 +38,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 def test_matches_reference_for_ragged_lengths(head_dim, group, block_size):
     """Ragged lengths in shuffled blocks (every slot no sequence holds is nan), each GQA ratio and block size,
     across more than one run of blocks per sequence (the runs are merged)."""
-    lens = [1, 37, 70, cpu.CHUNK_BLOCKS * block_size * 2 + 5]
+    lens = [1, 37, 70, cpu.RUN_TOKENS * 2 + 5]
     pool = Pool(lens, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=torch.float32)
     out, ref, _, _ = case(pool, 2 * group, head_dim)
     assert_close(out, ref)
