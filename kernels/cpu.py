@@ -112,7 +112,7 @@ def library() -> ctypes.CDLL | None:
         f.restype = i
         lib.skinny_linear.argtypes = [p, p, p, i, i, i]
         lib.skinny_linear.restype = None
-        lib.group_linear.argtypes = [p, p, i, p, p, p, p, i, i, i]
+        lib.group_linear.argtypes = [p, p, i, p, p, p, i, i, i]
         lib.group_linear.restype = i
         lib.group_dequantize.argtypes = [p, i, p, p, p, i, i]
         lib.group_dequantize.restype = None
@@ -188,9 +188,7 @@ class Groups:
             return None
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
-        xsum = torch.empty(x.shape[0] * (self.k // 32), dtype=torch.float32)
-        rc = library().group_linear(x.data_ptr(), *self._ptrs(), out.data_ptr(), xsum.data_ptr(),
-                                    x.shape[0], self.n, self.k)
+        rc = library().group_linear(x.data_ptr(), *self._ptrs(), out.data_ptr(), x.shape[0], self.n, self.k)
         return out if rc == 0 else None
 
     def dequantize(self, out: torch.Tensor) -> torch.Tensor:

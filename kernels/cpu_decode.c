@@ -386,8 +386,7 @@ void skinny_linear(const float *x, const float *w, float *out, int m, int n, int
  *   bits 4: q (N, K/2) bytes, group g of row r at byte r*K/2 + g*16, low nibbles = elements 0..15,
  *           high nibbles = 16..31 (GGML's Q4 payload), offset 8;
  *   bits 8: q (N, K) int8, offset 0, zero NULL.
- * out[i, r] = sum_g scale[r, g] * (x_i[g] . (c - offset)) + zero[r, g] * sum(x_i[g]): each group's codes
- * are widened to floats once and used for all M rows of x. */
+ * Each group's codes are widened to floats once and used for all M rows of x. */
 #define MAX_ROWS 32
 
 static inline void unpack_group(const void *q, int bits, int64_t row, int k, int g, v8f w[4]) {
@@ -423,39 +422,50 @@ static inline void unpack_group(const void *q, int bits, int64_t row, int k, int
 #endif
 }
 
-/* Returns -1 when m > MAX_ROWS or k is not a multiple of 32 (the caller falls back). `xsum` holds
- * m * k/32 floats of scratch. */
+/* Returns -1 when m > MAX_ROWS or k is not a multiple of 32 (the caller falls back).
+ *
+ * Each thread takes panels of PANEL weight rows and walks K in chunks of KCHUNK: it widens the panel's
+ * chunk to floats, (c - offset) * scale + zero, into a buffer that stays in L1, then multiplies it
+ * against every pair of x rows with skinny_linear's 2 x 4 tile. x is read once per panel rather than
+ * once per weight row: at sixteen rows x is 36 KB (more than L1) for a 576-wide matrix, and walking it
+ * per weight row made the products wait on L2. */
+#define PANEL 8
+#define KCHUNK 512
 int group_linear(const float *x, const void *q, int bits, const float *scale, const float *zero, float *out,
-                 float *xsum, int m, int n, int k) {
+                 int m, int n, int k) {
     if (m > MAX_ROWS || k % 32 || (bits != 4 && bits != 8)) return -1;
-    const int groups = k / 32;
-    if (zero)
-        for (int i = 0; i < m; i++)
-            for (int g = 0; g < groups; g++) xsum[i * groups + g] = hsum8(ld8(x + (int64_t)i * k + g * 32) +
-                ld8(x + (int64_t)i * k + g * 32 + 8) + ld8(x + (int64_t)i * k + g * 32 + 16) +
-                ld8(x + (int64_t)i * k + g * 32 + 24));
+    const int groups = k / 32, panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static)
-    for (int r = 0; r < n; r++) {
-        v8f acc[MAX_ROWS];
-        float zs[MAX_ROWS];
-        for (int i = 0; i < m; i++) {
-            acc[i] = (v8f){0};
-            zs[i] = 0.0f;
-        }
-        for (int g = 0; g < groups; g++) {
-            v8f w[4];
-            unpack_group(q, bits, r, k, g, w);
-            const float s = scale[(int64_t)r * groups + g];
-            for (int i = 0; i < m; i++) {
-                const float *xi = x + (int64_t)i * k + g * 32;
-                acc[i] += s * (ld8(xi) * w[0] + ld8(xi + 8) * w[1] + ld8(xi + 16) * w[2] + ld8(xi + 24) * w[3]);
+    for (int p = 0; p < panels; p++) {
+        const int r0 = p * PANEL;
+        float wbuf[PANEL][KCHUNK], acc[MAX_ROWS][PANEL];
+        memset(acc, 0, sizeof acc);
+        for (int k0 = 0; k0 < k; k0 += KCHUNK) {
+            const int kc = k - k0 < KCHUNK ? k - k0 : KCHUNK;
+            for (int c = 0; c < PANEL; c++) {
+                const int r = r0 + c < n ? r0 + c : n - 1;  /* past n: a copy of the last row, not written */
+                for (int g = k0 / 32; g < (k0 + kc) / 32; g++) {
+                    v8f w[4];
+                    unpack_group(q, bits, r, k, g, w);
+                    const float sc = scale[(int64_t)r * groups + g], z = zero ? zero[(int64_t)r * groups + g] : 0.0f;
+                    for (int u = 0; u < 4; u++) st8(&wbuf[c][g * 32 - k0 + 8 * u], w[u] * sc + z);
+                }
             }
-            if (zero) {
-                const float z = zero[(int64_t)r * groups + g];
-                for (int i = 0; i < m; i++) zs[i] += z * xsum[i * groups + g];
+            for (int half = 0; half < PANEL; half += 4) {
+                const float *rows[4] = {wbuf[half], wbuf[half + 1], wbuf[half + 2], wbuf[half + 3]};
+                for (int i = 0; i < m; i += 2) {
+                    const int pair = i + 1 < m;
+                    float o0[4], o1[4];
+                    tile(x + (int64_t)i * k + k0, x + (int64_t)(i + pair) * k + k0, rows, kc, o0, o1);
+                    for (int c = 0; c < 4; c++) {
+                        acc[i][half + c] += o0[c];
+                        if (pair) acc[i + 1][half + c] += o1[c];
+                    }
+                }
             }
         }
-        for (int i = 0; i < m; i++) out[(int64_t)i * n + r] = hsum8(acc[i]) + zs[i];
+        for (int i = 0; i < m; i++)
+            for (int c = 0; c < PANEL && r0 + c < n; c++) out[(int64_t)i * n + r0 + c] = acc[i][c];
     }
     return 0;
 }
