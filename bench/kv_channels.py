@@ -7,15 +7,17 @@ relative error ||q(x) - x|| / ||x|| of symmetric int8 and int4 quantization
 with one scale per token per head (what streamchat stores) and with one scale
 per channel over the 512 tokens (what KIVI/KVQuant suggest for keys).
 
-Then int4 keys as the pool can store them, one scale per channel per block of
-16 (the block's scale depends on tokens that arrive one per decode step):
+Then int4 keys as the pool can store them, one (scale, min) per channel per
+block of 16 (the block's grid depends on tokens that arrive one per decode step):
 
     once        each block quantized once, whole (a prefill of whole blocks; the ideal)
     requantize  written token by token, the block re-quantized on every write (what
                 `reference.requantize_blocks` does)
-    first       written token by token under the scale of the block's first token,
-                times a guard of 2, later tokens clipped (a scale fixed at first write)
-    per token   one scale per token per group of 32 channels (the format before #17)
+    symmetric   once, with a symmetric grid per channel per block (max|x| / 7, no
+                minimum: the format before the (scale, min) pairs)
+    first       symmetric, written token by token under the scale of the block's
+                first token times a guard of 2, later tokens clipped
+    per token   the values' format: a (scale, min) per token per group of 32 channels
 
     python bench/kv_channels.py
 """
@@ -71,7 +73,7 @@ def main() -> None:
 
 def block_errors(runner, slots, num_kv_heads: int, head_dim: int, bs: int = 16) -> dict[str, float]:
     """Relative error of int4 keys per channel per block: once, re-quantized per write, first-write scale."""
-    out = dict.fromkeys(("once", "requantize", "first", "per token"), 0.0)
+    out = dict.fromkeys(("once", "requantize", "symmetric", "first", "per token"), 0.0)
     num_layers = len(runner.kv_caches)
     for kv in runner.kv_caches:
         k = kv.key.view(-1, num_kv_heads, head_dim)[slots].float()  # (T, KVH, D), as stored
@@ -81,16 +83,19 @@ def block_errors(runner, slots, num_kv_heads: int, head_dim: int, bs: int = 16) 
         q, sc = quant.quantize_channels(x, torch.ones(nb, bs, dtype=torch.bool))
         once = quant.dequantize_channels(q, sc, torch.float32)
         pool = torch.zeros(nb, bs, num_kv_heads, head_dim // 2, dtype=torch.uint8)
-        scale = torch.ones(nb, num_kv_heads, head_dim, dtype=torch.float16)
+        scale = torch.ones(nb, num_kv_heads, head_dim, 2, dtype=torch.float16)
         for o in range(bs):  # every block gets its o-th token, as a decode step would write it
             reference.requantize_blocks(pool, scale, x[:, o], torch.arange(nb) * bs + o)
         requant = quant.dequantize_channels(pool, scale, torch.float32)
+        amax = (x.abs().amax(dim=1, keepdim=True) / 7).clamp_min(1e-8)
+        symmetric = (x / amax).round().clamp(-7, 7) * amax
         first = (x[:, :1].abs() * 2 / 7).clamp_min(1e-8)
         clipped = (x / first).round().clamp(-7, 7) * first
         tq, ts = quant.quantize(k, torch.uint8)
         per_token = quant.dequantize(tq, ts, torch.float32)
         for name, y in (("once", once.reshape_as(k)), ("requantize", requant.reshape_as(k)),
-                        ("first", clipped.reshape_as(k)), ("per token", per_token)):
+                        ("symmetric", symmetric.reshape_as(k)), ("first", clipped.reshape_as(k)),
+                        ("per token", per_token)):
             out[name] += ((y - k).norm() / k.norm()).item() / num_layers
     return out
 

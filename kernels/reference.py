@@ -12,7 +12,7 @@ Layouts (every function here shares them with its kernel in this package):
                              (the halves repeat), indexed by a position or a
                              difference of positions (never negative)
     k_scale, v_scale       : None for an unquantized pool; else its scales (see quant.py;
-                             int4 keys: (num_blocks, num_kv_heads, head_dim), per channel)
+                             int4 keys: (num_blocks, num_kv_heads, head_dim, 2), per channel)
 
 Queries and keys arrive unrotated. A key at table index i, offset o has cache
 position i * block_size + o and is stored as R(o) k. RoPE is a rotation, so a
@@ -198,7 +198,7 @@ def gather_rows(cache: torch.Tensor, scale: torch.Tensor | None, rows: torch.Ten
         bs, kvh = cache.shape[1], cache.shape[2]
         x = torch.index_select(cache.view(-1, cache.shape[-1]), 0, rows)
         first = rows.view(-1, bs)[:, 0]  # each run's offset-0 row: (block * bs) * KVH + head
-        run_scale = scale.view(-1, scale.shape[-1]).index_select(0, first // (bs * kvh) * kvh + first % kvh)
+        run_scale = scale.view(-1, *scale.shape[-2:]).index_select(0, first // (bs * kvh) * kvh + first % kvh)
         return quant.dequantize_channels(x.view(-1, bs, x.shape[-1]), run_scale, dtype).view(rows.shape[0], -1)
     rows_scale = None if scale is None else scale.view(-1, *scale.shape[3:])
     return _gather(cache.view(-1, cache.shape[-1]), rows_scale, rows, dtype, workspace, name)

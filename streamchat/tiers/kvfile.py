@@ -8,15 +8,16 @@ table order, plus the state that goes with them) and hands one back.
     file  = safetensors: u64 header length | JSON header | tensor bytes
     tensors   key.{layer}, value.{layer}        (num_blocks, block_size, kv_heads, head_dim*)
               k_scale.{layer}, v_scale.{layer}  scales, only for --kv-dtype int8 / fp8 / int4
-                                                (int4 keys: (num_blocks, kv_heads, head_dim), one
-                                                scale per channel per block; see kernels/quant.py)
+                                                (int4: (scale, min) pairs; keys (num_blocks,
+                                                kv_heads, head_dim, 2), one pair per channel per
+                                                block; see kernels/quant.py)
               row i is the session's block i: cache positions i*block_size .. +block_size-1
               (* head_dim / 2 for int4: two values a byte)
     metadata  "streamchat": the header below, JSON
               "checksum":   "blake2b-128:" + hex over the header JSON and, by name, each
                             tensor's name, dtype, shape and bytes
 
-    header    format "streamchat.kv", version 3, session_id, written_at (unix s),
+    header    format "streamchat.kv", version 4, session_id, written_at (unix s),
               transcript_mark (what the store held when it was written; null if unknown),
               layout: model_fingerprint, model_dtype, kv_dtype, block_size, sink_tokens,
                       window_tokens, pin_system_prompt, num_layers, num_kv_heads, head_dim
@@ -29,7 +30,8 @@ Each key is stored rotated by its offset in its block (0..block_size-1), never
 by its cache position, so the blocks may go back into any physical blocks, in
 this order. Older versions are refused with reason "version" (the session is
 rebuilt from its transcript, as for any file that cannot be used): version 1
-held keys before rotary embedding, version 2 int4 key scales per token.
+held keys before rotary embedding, version 2 int4 key scales per token, version
+3 symmetric int4 (a scale per group, no minimum).
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ from pathlib import Path
 import torch
 
 FORMAT = "streamchat.kv"
-VERSION = 3  # 3: int4 key scales per channel per block; 2: keys rotated by their offset in their
-#              block; 1: keys before rotary embedding
+VERSION = 4  # 4: int4 asymmetric, (scale, min) per group; 3: int4 key scales per channel per block;
+#              2: keys rotated by their offset in their block; 1: keys before rotary embedding
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
 FIELDS = ("key", "value", "k_scale", "v_scale")  # LayerKV order

@@ -18,20 +18,31 @@ def keys(n=64, heads=3, dim=64, seed=0):
     return x
 
 
-@pytest.mark.parametrize("kv_dtype,bound", [("int8", 0.5 / 127), ("fp8", 1 / 16), ("int4", 0.5 / 7)])
+@pytest.mark.parametrize("kv_dtype,bound", [("int8", 0.5 / 127), ("fp8", 1 / 16)])
 def test_round_trip_error_is_within_the_format_bound(kv_dtype, bound):
-    """|x - dequant(quant(x))| <= bound * max|x| of its row (int8/fp8) or group of 32 (int4)."""
+    """|x - dequant(quant(x))| <= bound * max|x| of its row."""
     x = keys()
     q, scale = quant.quantize(x, STORAGES[kv_dtype])
     back = quant.dequantize(q, scale, torch.float32)
-    if kv_dtype == "int4":
-        ref = x.view(64, 3, 2, 32).abs().amax(-1, keepdim=True).expand(64, 3, 2, 32).reshape(64, 3, 64)
-        assert q.shape == (64, 3, 32) and scale.shape == (64, 3, 2) and scale.dtype == torch.float16
-        bound += 1e-3  # the float16 scale itself rounds
-    else:
-        ref = x.abs().amax(-1, keepdim=True)
-        assert q.shape == x.shape and scale.shape == (64, 3)
+    ref = x.abs().amax(-1, keepdim=True)
+    assert q.shape == x.shape and scale.shape == (64, 3)
     assert ((back - x).abs() <= bound * ref + 1e-6).all()
+
+
+def test_int4_round_trip_is_within_half_a_step_of_its_group_range():
+    """int4 values: per token per group of 32 a float16 (scale, min) with min <= the group's min and
+    min + 15 * scale >= its max (no clipping), scale within float16 rounding of range / 15, and every
+    value back within half a step."""
+    x = keys()
+    q, grid = quant.quantize(x, torch.uint8)
+    assert q.shape == (64, 3, 32) and grid.shape == (64, 3, 2, 2) and grid.dtype == torch.float16
+    groups = x.view(64, 3, 2, 32)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    step, low = grid[..., 0].float(), grid[..., 1].float()
+    assert (low <= lo).all() and (low + 15 * step >= hi).all()
+    torch.testing.assert_close(step, (hi - lo) / 15, rtol=2e-3, atol=0)
+    back = quant.dequantize(q, grid, torch.float32).view(64, 3, 2, 32)
+    assert ((back - groups).abs() <= step[..., None] / 2 + 1e-6).all()
 
 
 def test_zero_rows_round_trip_exactly():
@@ -69,19 +80,19 @@ def test_attention_over_a_quantized_pool_is_close_to_unquantized(kv_dtype, tol):
     assert err < tol, err
 
 
-@pytest.mark.parametrize("kv_dtype,per_head", [("auto", 128), ("int8", 68), ("fp8", 68), ("int4", 38)])
+@pytest.mark.parametrize("kv_dtype,per_head", [("auto", 128), ("int8", 68), ("fp8", 68), ("int4", 44)])
 def test_bytes_per_token_and_pool_capacity_are_exact(kv_dtype, per_head):
     """SmolLM2 shape (30 layers, 3 KV heads, dim 64, bf16): bytes per token and blocks in 1 GiB.
 
-    int4: keys 32 bytes + a float16 scale per channel per block of 16 (8 bytes a token), values
-    32 bytes + two float16 scales per token: 76 bytes per head for K and V."""
+    int4: keys 32 bytes + a float16 (scale, min) per channel per block of 16 (16 bytes a token),
+    values 32 bytes + two float16 pairs per token (8 bytes): 88 bytes per head for K and V."""
     from streamchat.model.runner import num_blocks_for
 
     per_token = quant.bytes_per_token(kv_dtype, torch.bfloat16, 30, 3, 64)
     assert per_token == 2 * 30 * 3 * per_head
     blocks = num_blocks_for(CacheConfig(kv_dtype=kv_dtype, kv_memory_gib=1.0), per_token, torch.device("cpu"))
     assert blocks == (1 << 30) // (per_token * 16)
-    assert {"auto": 2912, "int8": 5482, "fp8": 5482, "int4": 9811}[kv_dtype] == blocks
+    assert {"auto": 2912, "int8": 5482, "fp8": 5482, "int4": 8473}[kv_dtype] == blocks
 
 
 def test_the_default_pool_is_an_eighth_of_memory_and_at_least_1_gib():
@@ -115,43 +126,51 @@ def stored_keys(pool, scales, block):
 
 
 def test_int4_keys_get_one_scale_per_channel_per_block():
-    """A block written at once: scale = max over its tokens of each channel / 7; error within half a step."""
+    """A block written at once: per channel a (scale, min) over its tokens, scale ~ (max - min) / 15;
+    every key back within half a step."""
     pool, scales, cos, sin = int4_pool()
     x = keys(16)
     reference.write_kv(*pool, x, x, torch.arange(16, 32), cos, sin, *scales)
-    amax = x.abs().amax(0)  # (KVH, D)
-    assert torch.equal(scales[0][1], (amax / 7).half())
-    step = scales[0][1].float()
-    assert ((stored_keys(pool, scales, 1) - x).abs() <= step / 2 + 1e-3 * amax).all()
-    assert torch.equal(scales[0][0], torch.ones(3, 64, dtype=torch.float16))  # other blocks untouched
+    lo, hi = x.amin(0), x.amax(0)  # (KVH, D)
+    grid = scales[0][1].float()
+    assert scales[0][1].shape == (3, 64, 2)
+    torch.testing.assert_close(grid[..., 0], (hi - lo) / 15, rtol=2e-3, atol=0)
+    assert (grid[..., 1] <= lo).all() and (grid[..., 1] > lo - 1e-3 * lo.abs() - 1e-6).all()
+    assert ((stored_keys(pool, scales, 1) - x).abs() <= grid[..., 0] / 2 + 1e-6).all()
+    assert torch.equal(scales[0][0], torch.ones(3, 64, 2, dtype=torch.float16))  # other blocks untouched
 
 
-def test_token_by_token_int4_keys_equal_one_write_when_the_scale_never_grows():
-    """Decode writes re-quantize the block; while no channel's max grows, the bytes equal a single write."""
+def test_token_by_token_int4_keys_equal_one_write_when_the_range_never_grows():
+    """Decode writes re-quantize the block; once its first tokens hold every channel's min and max, later
+    one-token writes leave the same bytes and grid as writing the rest at once."""
     x = keys(16)
-    x[0] = x.abs().amax(0) * torch.sign(torch.randn(3, 64))  # the first token holds every channel's max
+    lo, hi = x.amin(0), x.amax(0)
+    x[0], x[1] = hi, lo  # the first two tokens span every channel's range
     once, once_scales, cos, sin = int4_pool()
-    reference.write_kv(*once, x, x, torch.arange(32, 48), cos, sin, *once_scales)
+    reference.write_kv(*once, x[:2], x[:2], torch.arange(32, 34), cos, sin, *once_scales)
+    reference.write_kv(*once, x[2:], x[2:], torch.arange(34, 48), cos, sin, *once_scales)
     steps, step_scales, _, _ = int4_pool()
-    for i in range(16):
+    reference.write_kv(*steps, x[:2], x[:2], torch.arange(32, 34), cos, sin, *step_scales)
+    for i in range(2, 16):
         reference.write_kv(*steps, x[i:i + 1], x[i:i + 1], torch.tensor([32 + i]), cos, sin, *step_scales)
     assert torch.equal(steps[0], once[0]) and torch.equal(step_scales[0], once_scales[0])
     assert torch.equal(steps[1], once[1]) and torch.equal(step_scales[1], once_scales[1])
 
 
 def test_int4_key_scale_grows_with_later_tokens_and_ignores_stale_rows():
-    """A later, larger token raises its channels' scale (no clipping); rows past the last written one
-    (a previous owner's tokens) never enter the max."""
+    """A later, larger token widens its channels' range (no clipping); rows past the last written one
+    (a previous owner's tokens) never enter the range."""
     pool, scales, cos, sin = int4_pool()
     big = torch.full((16, 3, 64), 100.0)
     reference.write_kv(*pool, big, big, torch.arange(16, 32), cos, sin, *scales)  # block 1, then reused
     small = torch.full((1, 3, 64), 0.5)
     reference.write_kv(*pool, small, small, torch.tensor([16]), cos, sin, *scales)
-    assert torch.allclose(scales[0][1].float(), torch.full((3, 64), 0.5 / 7), rtol=1e-3)
+    assert torch.equal(scales[0][1][..., 1], torch.full((3, 64), 0.5, dtype=torch.float16))  # its own min
+    assert torch.equal(stored_keys(pool, scales, 1)[:1], small)
     larger = torch.full((1, 3, 64), 2.0)
     reference.write_kv(*pool, larger, larger, torch.tensor([17]), cos, sin, *scales)
     got = stored_keys(pool, scales, 1)[:2]
-    assert torch.allclose(got, torch.cat([small, larger]), atol=2.0 / 14 + 1e-3)
+    assert torch.allclose(got, torch.cat([small, larger]), atol=1.5 / 30 + 1e-3)
 
 
 def test_prefill_and_decode_read_int4_blocks_as_their_dequantized_values():

@@ -23,7 +23,7 @@ def test_round_trip_is_bit_exact_for_every_kv_dtype(tmp_path, kv_dtype):
     assert same_bytes(back.tensors, snap.tensors)
     assert back.state == snap.state and back.mark == "m1"
     header, meta = kvfile.read_header(path)
-    assert header["format"] == "streamchat.kv" and header["version"] == 3
+    assert header["format"] == "streamchat.kv" and header["version"] == 4
     assert header["layout"]["kv_dtype"] == kv_dtype and header["state"]["token_ids"] == snap.state.token_ids
     assert meta["checksum"].startswith("blake2b-128:")
     assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]
@@ -94,10 +94,10 @@ def test_other_session_version_and_stale_mark_are_refused(written, monkeypatch):
     assert reason(path, lay)[0] == "version"
 
 
-@pytest.mark.parametrize("old", [1, 2])
+@pytest.mark.parametrize("old", [1, 2, 3])
 def test_older_versions_are_refused(tmp_path, monkeypatch, old):
-    """A whole, checksummed file of version 1 (keys stored before rotary embedding) or 2 (int4 key
-    scales per token) is refused as `version`."""
+    """A whole, checksummed file of version 1 (keys stored before rotary embedding), 2 (int4 key
+    scales per token) or 3 (symmetric int4) is refused as `version`."""
     lay = layout(kv_dtype="int4")
     path = tmp_path / "s.safetensors"
     with monkeypatch.context() as m:
@@ -105,7 +105,7 @@ def test_older_versions_are_refused(tmp_path, monkeypatch, old):
         kvfile.write_atomic(path, snapshot(lay), lay)
     assert kvfile.read_header(path)[0]["version"] == old
     why, message = reason(path, lay)
-    assert why == "version" and f"version {old}" in message and "version 3" in message
+    assert why == "version" and f"version {old}" in message and f"version {kvfile.VERSION}" in message
 
 
 def test_tensors_that_do_not_fit_the_state_are_inconsistent(tmp_path):
