@@ -21,12 +21,12 @@ PROMPTS = ["Tell me a story about a dragon.", "Explain how a rainbow forms.", "W
 
 
 def passive_omp() -> None:
-    """What the daemon does before torch starts: OpenMP workers sleep instead of spinning.
+    """What the daemon does before torch starts: OpenMP workers spin briefly, then sleep
+    (streamchat.config.OMP_WAIT). Must run before torch is imported; what the environment
+    already sets wins."""
+    from streamchat.config import omp_wait_defaults
 
-    On a few cores spinning workers starve the event loop thread. Must run
-    before torch is imported; an OMP_WAIT_POLICY already set wins.
-    """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    omp_wait_defaults()
 
 
 def int_list(text: str) -> list[int]:
@@ -124,7 +124,8 @@ def describe(loaded) -> str:
 
     m = loaded.model
     return (f"{loaded.source.name}: dtype={m.dtype} device={m.device} attention={m.backend.name} "
-            f"threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}")
+            f"threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')} "
+            f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '-')}")
 
 
 def disable_eos(engine) -> None:

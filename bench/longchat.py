@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import sys
 import tempfile
@@ -243,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--daemon-arg", action="append", default=[], help="extra `streamchat serve` flag (repeatable)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    common.passive_omp()
     texts = histories(args.sessions, args.history)
     rows = []
     if not args.skip_streamchat:

@@ -1,6 +1,7 @@
 """Tests for the command line and settings: bad input gets one clear line, never a traceback."""
 
 import json
+import os
 
 import pytest
 
@@ -159,3 +160,15 @@ def test_serve_log_flags_are_checked(capsys):
             build_parser().parse_args(argv)
         assert exc.value.code == 2
     assert "invalid choice: 'xml'" in capsys.readouterr().err
+
+
+def test_omp_wait_defaults_spin_briefly_then_sleep_and_leave_set_values(monkeypatch):
+    """Before torch starts, the daemon asks libgomp for passive waiting after a bounded spin; a value
+    the user's environment already sets is kept."""
+    from streamchat.config import OMP_WAIT, omp_wait_defaults
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    omp_wait_defaults()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and OMP_WAIT["GOMP_SPINCOUNT"] == "30000"
+    assert os.environ["GOMP_SPINCOUNT"] == "0"

@@ -15,7 +15,6 @@ import asyncio
 import http
 import ipaddress
 import logging
-import os
 import signal
 import time
 from urllib.parse import parse_qs, urlsplit
@@ -25,7 +24,7 @@ from websockets.asyncio.server import serve
 from websockets.datastructures import Headers
 from websockets.http11 import Response
 
-from streamchat.config import Config
+from streamchat.config import Config, omp_wait_defaults
 from streamchat.server import web
 from streamchat.server.http import HttpFront
 from streamchat.server.openai_http import OpenAIHttp
@@ -322,8 +321,8 @@ async def _serve(config: Config) -> int:
 
 def run(config: Config) -> int:
     # torch's OpenMP workers spin while they wait; on a few cores that starves
-    # the event loop thread. Passive waiting costs little per step.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # the event loop thread: passive waiting after a short spin (config.OMP_WAIT).
+    omp_wait_defaults()
     return asyncio.run(_serve(config))
 
 
