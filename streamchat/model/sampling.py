@@ -88,7 +88,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         x = x.index_put((torch.tensor(penalized, device=x.device),),
                         apply_penalties(x[penalized], [params[i] for i in penalized],
                                         [history[i] for i in penalized]))
-    tokens = _greedy(x)
+    tokens = _greedy(x, corrupt)
     rows = [i for i, p in enumerate(params) if not p.greedy and not corrupt[i]]
     if rows:
         sub = x[rows]  # (S, vocab), left on its device: only the drawn ids come back
@@ -103,12 +103,15 @@ def _corrupt(x: torch.Tensor) -> list[bool]:
 
     -inf alone is a mask (a token that must not come), not corruption.
     """
-    bad = (torch.isnan(x) | (x == float("inf"))).any(dim=-1) | ~torch.isfinite(x).any(dim=-1)
-    return bad.tolist()
+    # one pass: a row's max is NaN if it holds one (amax propagates NaN), +inf if it holds +inf, and
+    # -inf if nothing in it is finite
+    return (~torch.isfinite(x.amax(dim=-1))).tolist()
 
 
-def _greedy(x: torch.Tensor) -> list[int]:
+def _greedy(x: torch.Tensor, corrupt: list[bool]) -> list[int]:
     """Argmax over each row's finite values; a row with none gives 0."""
+    if not any(corrupt):  # no NaN or +inf anywhere, and -inf never wins a row that has a finite value
+        return x.argmax(dim=-1).tolist()
     finite = torch.isfinite(x)
     return x.masked_fill(~finite, float("-inf")).argmax(dim=-1).tolist()  # all -inf: the first, 0
 
