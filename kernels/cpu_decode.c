@@ -429,12 +429,57 @@ static inline void unpack_group(const void *q, int bits, int64_t row, int k, int
  * against every pair of x rows with skinny_linear's 2 x 4 tile. x is read once per panel rather than
  * once per weight row: at sixteen rows x is 36 KB (more than L1) for a 576-wide matrix, and walking it
  * per weight row made the products wait on L2. */
+#define FEW_ROWS 2 /* up to here group_linear_direct */
+#define MAX_K 65536
+/* A few rows (a single session's decode): each thread takes whole weight rows and multiplies every
+ * group straight from its widened codes, with no buffer: at one row the panel's L1 buffer and the
+ * tile's pairs of rows only add work. The zero term is the zero times the row's group sum. */
+static void group_linear_direct(const float *x, const void *q, int bits, const float *scale, const float *zero,
+                                float *out, const float *xsum, int m, int n, int k) {
+    const int groups = k / 32;
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < n; r++) {
+        v8f acc[FEW_ROWS];
+        float zs[FEW_ROWS];
+        for (int i = 0; i < m; i++) {
+            acc[i] = (v8f){0};
+            zs[i] = 0.0f;
+        }
+        for (int g = 0; g < groups; g++) {
+            v8f w[4];
+            unpack_group(q, bits, r, k, g, w);
+            const float sc = scale[(int64_t)r * groups + g];
+            for (int i = 0; i < m; i++) {
+                const float *xi = x + (int64_t)i * k + g * 32;
+                acc[i] += sc * (ld8(xi) * w[0] + ld8(xi + 8) * w[1] + ld8(xi + 16) * w[2] + ld8(xi + 24) * w[3]);
+            }
+            if (zero) {
+                const float z = zero[(int64_t)r * groups + g];
+                for (int i = 0; i < m; i++) zs[i] += z * xsum[i * groups + g];
+            }
+        }
+        for (int i = 0; i < m; i++) out[(int64_t)i * n + r] = hsum8(acc[i]) + zs[i];
+    }
+}
+
 #define PANEL 8
 #define KCHUNK 512
 int group_linear(const float *x, const void *q, int bits, const float *scale, const float *zero, float *out,
                  int m, int n, int k) {
     if (m > MAX_ROWS || k % 32 || (bits != 4 && bits != 8)) return -1;
     const int groups = k / 32, panels = (n + PANEL - 1) / PANEL;
+    if (m <= FEW_ROWS) {
+        float xsum[FEW_ROWS * (MAX_K / 32)];
+        if (k > MAX_K) return -1;
+        if (zero)
+            for (int i = 0; i < m; i++)
+                for (int g = 0; g < groups; g++) {
+                    const float *xi = x + (int64_t)i * k + g * 32;
+                    xsum[i * groups + g] = hsum8(ld8(xi) + ld8(xi + 8) + ld8(xi + 16) + ld8(xi + 24));
+                }
+        group_linear_direct(x, q, bits, scale, zero, out, xsum, m, n, k);
+        return 0;
+    }
 #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; p++) {
         const int r0 = p * PANEL;
