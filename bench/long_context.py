@@ -4,13 +4,17 @@
     python bench/long_context.py --sizes 1024,4096        # a quick smoke run
     python bench/long_context.py --num-threads 1          # on a machine shared with other work
 
-1. streamchat: one session through `LLM(...).engine`, exactly as the daemon
-   runs it (sink + window, defaults from CacheConfig). Its history grows
-   through `append_text` + `llm.drain()` (prefill in chunks of the scheduler's
-   per-step budget, set here to the largest chunk the window allows) to each
-   size in turn; at each size a greedy reply of --decode-tokens tokens is
-   timed step by step (the engine's own inter-token gaps), and
-   `session_stats().kv_bytes` is read.
+1. streamchat: sessions through `LLM(...).engine`, exactly as the daemon
+   runs them (sink + window, defaults from CacheConfig). By default one
+   session per size, each fed to its size through `append_text` +
+   `llm.drain()` (prefill in chunks of the scheduler's per-step budget, set
+   here to the largest chunk the window allows); then `--rounds` rounds in
+   which each session decodes its share of --decode-tokens greedily (the
+   order reversed every other round), timed step by step (the engine's own
+   inter-token gaps), so every size is timed in the same minutes.
+   `--rounds 1` is the older way: one session grows through the sizes and is
+   timed once at each, minutes apart (on a host whose speed drifts, that
+   compares one minute with another). `session_stats().kv_bytes` is read.
 2. transformers: the same weights and dtype with its default DynamicCache
    (unbounded), history fed in chunks, then greedy decode timed per token.
    It stops at the first size beyond the model's context
@@ -81,35 +85,57 @@ def _ms(samples: list[tuple[float, float]]) -> tuple[float | None, float | None,
 
 # -- streamchat ---------------------------------------------------------------
 
-def bench_ours(config, loaded, sizes: list[int], decode_tokens: int) -> list[Row]:
+def bench_ours(config, loaded, sizes: list[int], decode_tokens: int, rounds: int = 1) -> list[Row]:
+    """rounds 1: one session grows through the sizes, a reply timed at each. rounds > 1: one session
+    per size, each fed to its size, then `rounds` rounds in which every session decodes its share of
+    `decode_tokens` (the order reversed every other round), so that all sizes are timed in the same
+    minutes: on a host whose speed drifts, the sequential way compares one minute with another."""
     from streamchat.llm import LLM
     from streamchat.model.sampling import SamplingParams
 
     llm = LLM(config, loaded)
     engine = llm.engine
-    engine.open_session("bench")
     ids = history_ids(loaded.tokenizer, sizes[-1])
-    rows, fed = [], 0
+    names = ["bench"] if rounds <= 1 else [f"bench-{size}" for size in sizes]
+    for name in names:
+        engine.open_session(name)
+    fed = dict.fromkeys(names, 0)
+    rows: list[Row] = []
+    timed: dict[int, list] = {}
     for size in sizes:
-        have = engine.session_stats("bench").total_tokens
-        piece = ids[fed:fed + max(0, size - have)]
-        fed += len(piece)
+        name = names[0] if rounds <= 1 else f"bench-{size}"
+        have = engine.session_stats(name).total_tokens
+        piece = ids[fed[name]:fed[name] + max(0, size - have)]
+        fed[name] += len(piece)
         started = time.perf_counter()
         if piece:
-            engine.append_text("bench", loaded.tokenizer.decode(piece))
+            engine.append_text(name, loaded.tokenizer.decode(piece))
         llm.drain()
         feed_s = time.perf_counter() - started
-        history = engine.session_stats("bench").total_tokens
-        samples = _decode(llm, decode_tokens, SamplingParams())
-        stats = engine.session_stats("bench")
+        history = engine.session_stats(name).total_tokens
+        samples = _decode(llm, decode_tokens, SamplingParams(), name) if rounds <= 1 else []
+        timed[size] = samples
+        stats = engine.session_stats(name)
         rows.append(Row("streamchat", size, history, stats.kv_bytes, *_ms(samples), feed_s,
                         history - have, f"cache holds {stats.context_tokens} tokens"))
-        print(_format(rows[-1]), file=sys.stderr, flush=True)
-    engine.close_session("bench")
+        if rounds <= 1:
+            print(_format(rows[-1]), file=sys.stderr, flush=True)
+    if rounds > 1:
+        share = max(1, decode_tokens // rounds)
+        for r in range(rounds):
+            for size in (sizes if r % 2 == 0 else sizes[::-1]):
+                timed[size] += _decode(llm, share, SamplingParams(), f"bench-{size}")
+        for row in rows:
+            row.decode_ms, row.decode_p90_ms, row.decode_cpu_ms = _ms(timed[row.size])
+            row.note += f"; timed in {rounds} interleaved rounds"
+            print(_format(row), file=sys.stderr, flush=True)
+    for name in names:
+        engine.close_session(name)
     return rows
 
 
-def _decode(llm, decode_tokens: int, params, max_replies: int = 4) -> list[tuple[float, float]]:
+def _decode(llm, decode_tokens: int, params, session: str = "bench",
+            max_replies: int = 4) -> list[tuple[float, float]]:
     """(wall, CPU) seconds of each decode step of greedy replies in the session.
 
     A decode step is one whose batch fed a sampled token back (the engine's
@@ -122,7 +148,7 @@ def _decode(llm, decode_tokens: int, params, max_replies: int = 4) -> list[tuple
     engine, samples = llm.engine, []
     for _ in range(max_replies):
         rid = f"bench-{time.monotonic_ns()}"
-        engine.start_response("bench", rid, params, decode_tokens - len(samples) + 1)
+        engine.start_response(session, rid, params, decode_tokens - len(samples) + 1)
         finished = False
         while not finished:
             if not engine.has_work():
@@ -254,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1024,4096,16384,65536", help="tokens of history, comma-separated")
     p.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed at each size")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="one session per size, timed in this many interleaved rounds (1: one session "
+                        "growing through the sizes, each timed once, as before)")
     p.add_argument("--sink-tokens", type=int, default=CacheConfig.sink_tokens)
     p.add_argument("--window-tokens", type=int, default=CacheConfig.window_tokens)
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
@@ -269,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         # room for one session plus one whole chunk: KVCacheManager.can_append does not
         # credit the blocks an append's own eviction frees, so a pool of exactly
         # max_blocks_per_session() stalls once the window is full
+        sessions = len(sizes) if args.rounds > 1 else 1
         cache = dataclasses.replace(
-            cache, num_blocks=cache.max_blocks_per_session() + cache.num_window_blocks + 2)
+            cache, num_blocks=sessions * (cache.max_blocks_per_session() + cache.num_window_blocks + 2))
         window_cap = cache.num_window_blocks * cache.block_size
         cfg = cfg.replace(cache=cache, scheduler=SchedulerConfig(max_tokens_per_step=window_cap - cache.block_size))
         cfg.validate()
@@ -283,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER, file=sys.stderr)
     # `past_key_values` is the keyword every supported transformers version takes
     warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
-    ours = bench_ours(cfg, loaded, sizes, args.decode_tokens)
+    ours = bench_ours(cfg, loaded, sizes, args.decode_tokens, args.rounds)
     theirs = [] if args.skip_transformers else bench_transformers(loaded, sizes, args.decode_tokens, args.hf_chunk)
     print(HEADER)
     for r in ours + theirs:
