@@ -15,18 +15,19 @@
  *   block_mass              (B, mass_stride) float32 or NULL: ADDS each block's
  *                           softmax probability summed over the H heads
  *
- * Work: one item per (sequence, run of `chunk` blocks), spread over the
- * OpenMP threads of the process (the same libgomp as torch's, which the
- * loader resolves by its soname), each keeping an online softmax of its run
- * for every query head; a key row is loaded once for the G query heads of
- * its KV head. A merge then combines a sequence's runs. The runs depend only
- * on the sequence's own length, so a sequence's result is the same in any
- * batch.
+ * Work: one item per (sequence, run of `chunk` blocks, chunk x block_size
+ * <= RUN_TOKENS), spread over the OpenMP threads of the process (the same
+ * libgomp as torch's, which the loader resolves by its soname), each scoring
+ * its run for every query head (a key row is loaded once for the G query
+ * heads of its KV head), taking one softmax over the run and summing the
+ * values (`run_blocks`). A merge then combines a sequence's runs. The runs
+ * depend only on the sequence's own length, so a sequence's result is the
+ * same in any batch.
  *
  * `partial` holds B * ceil(max_blocks / chunk) items of
  * H * (head_dim + 2) floats; `stats` (only with block_mass) B * num_kv_heads
- * * G * max_blocks * 2 floats: each block's running max and its sum of
- * exponentials against that max.
+ * * G * max_blocks * 2 floats: each block's sum of exponentials and the max
+ * it is taken against (its run's).
  */
 #include <float.h>
 #if defined(__AVX2__) || defined(__F16C__)
