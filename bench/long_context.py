@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 TARGET_RATIO = 1.15
+FEED_TOKENS = 16384  # history appended per call
 
 
 @dataclass
@@ -108,9 +109,9 @@ def bench_ours(config, loaded, sizes: list[int], decode_tokens: int, rounds: int
         piece = ids[fed[name]:fed[name] + max(0, size - have)]
         fed[name] += len(piece)
         started = time.perf_counter()
-        if piece:
-            engine.append_text(name, loaded.tokenizer.decode(piece))
-        llm.drain()
+        for at in range(0, len(piece), FEED_TOKENS):  # under the per-session pending limit (65,536)
+            engine.append_text(name, loaded.tokenizer.decode(piece[at:at + FEED_TOKENS]))
+            llm.drain()
         feed_s = time.perf_counter() - started
         history = engine.session_stats(name).total_tokens
         samples = _decode(llm, decode_tokens, SamplingParams(), name) if rounds <= 1 else []
