@@ -1,3 +1,6 @@
-from streamchat.cli import main
 import sys
-sys.exit(main())
+
+from streamchat.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -72,7 +72,7 @@ def _cmd_serve(args) -> int:
 
     config = settings.load(args)  # a bad setting fails before any log line
     logs.setup(args.log_level, args.log_format)
-    return run(config)
+    return run(config, args.log_level, args.log_format)
 
 
 def _eval_parser(sub) -> None:

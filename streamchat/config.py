@@ -126,8 +126,11 @@ class SchedulerConfig:
     # (one session) or `overloaded` (the whole daemon)
     max_pending_tokens_per_session: int = 65_536
     max_pending_tokens: int = 1_048_576
-    max_failed_steps: int = 5  # engine steps failing in a row before the daemon gives up
+    max_failed_steps: int = 5  # engine steps failing in a row before the engine core gives up (restarted)
     engine_call_timeout_s: float = 30.0  # a command not taken by the engine by then: `engine_unavailable`
+    # the engine core is restarted when it dies; this many deaths within the window: the daemon exits 1
+    max_engine_restarts: int = 5
+    engine_restart_window_s: float = 300.0
 
     def validate(self) -> None:
         _positive("max_tokens_per_step", self.max_tokens_per_step)
@@ -137,7 +140,10 @@ class SchedulerConfig:
         _positive("max_pending_tokens_per_session", self.max_pending_tokens_per_session)
         _positive("max_pending_tokens", self.max_pending_tokens)
         _positive("max_failed_steps", self.max_failed_steps)
-        for name in ("queue_timeout_s", "engine_call_timeout_s", "target_step_ms"):
+        if isinstance(self.max_engine_restarts, bool) or not isinstance(self.max_engine_restarts, int) \
+                or self.max_engine_restarts < 0:
+            raise ConfigError(f"max_engine_restarts must be an integer >= 0, got {self.max_engine_restarts!r}")
+        for name in ("queue_timeout_s", "engine_call_timeout_s", "target_step_ms", "engine_restart_window_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from streamchat.config import Config
 from streamchat.engine.api import EngineError, Usage
 from streamchat.engine.engine import Engine
-from streamchat.engine.events import ResponseFinished, TextDelta
+from streamchat.engine.events import NewTokens, ResponseFinished
+from streamchat.engine.outputs import OutputProcessor
 from streamchat.model.runner import ModelRunner, load_model
 from streamchat.model.sampling import SamplingParams, load_model_defaults
 
@@ -40,6 +41,7 @@ class LLM:
         self.engine = Engine(self.runner, self.config.cache, self.config.scheduler,
                              tiers=self.config.tiers if tiers else None, data_dir=self.config.tiers.data_dir)
         self._ids = itertools.count()
+        self.outputs = OutputProcessor(self.loaded.tokenizer)
 
     @property
     def tokenizer(self):
@@ -73,20 +75,31 @@ class LLM:
         rids = {}
         for sid in session_ids:
             rid = f"resp-{next(self._ids)}"
-            self.engine.start_response(sid, rid, params, max_tokens, stop)
+            self.engine.start_response(sid, rid, params, max_tokens)
+            self.outputs.start(rid, stop)
             rids[rid] = sid
         return self.run_until(rids)
 
     def run_until(self, rids: dict[str, str]) -> list[Reply]:
+        """Step until the responses finish; text as the daemon's front makes it (stop strings met)."""
         deltas: dict[str, list[str]] = {rid: [] for rid in rids}
         done: dict[str, Reply] = {}
         while len(done) < len(rids):
             if not self.engine.has_work():
                 raise EngineError("internal", "the engine went idle before the responses finished")
-            for ev in self.engine.step():
-                if isinstance(ev, TextDelta) and ev.response_id in deltas:
-                    deltas[ev.response_id].append(ev.text)
+            events = self.engine.step()
+            while events:
+                ev = events.pop(0)
+                if isinstance(ev, NewTokens) and ev.response_id in deltas:
+                    delta, stop = self.outputs.tokens(ev)
+                    if delta is not None:
+                        deltas[ev.response_id].append(delta.text)
+                    if stop is not None:
+                        events += self.engine.stop_response(stop.session_id, stop.response_id, stop.num_tokens)
                 elif isinstance(ev, ResponseFinished) and ev.response_id in rids:
+                    delta, ev = self.outputs.finished(ev)
+                    if delta is not None:
+                        deltas[ev.response_id].append(delta.text)
                     done[ev.response_id] = Reply(ev.text, ev.status, ev.reason, ev.usage,
                                                  list(ev.token_ids), deltas[ev.response_id])
         return [done[rid] for rid in rids]

@@ -45,7 +45,10 @@ HELP = {
     "data_dir": "where saved sessions go (default: next to the SQLite file, else $XDG_DATA_HOME/streamchat/kv)",
     "max_pending_tokens_per_session": "tokens one session may have queued before they are in the cache",
     "max_pending_tokens": "tokens all sessions together may have queued (past it: overloaded)",
-    "max_failed_steps": "engine steps failing in a row before /healthz says 503 and the daemon exits 1",
+    "max_failed_steps": "engine steps failing in a row before the engine core gives up (and is restarted)",
+    "max_engine_restarts": "engine core deaths within --engine-restart-window-s before /healthz says 503 and "
+                           "the daemon exits 1 (0: the first death)",
+    "engine_restart_window_s": "the window over which engine core deaths are counted",
     "engine_call_timeout_s": "a request the engine has not taken by then fails engine_unavailable",
     "max_append_item_chars": "characters one open append item may collect (past it: message_too_large)",
     "session_idle_release_s": "a session with no connection for this long leaves memory (to disk / transcript)",

@@ -1,21 +1,26 @@
-"""The engine's boundary: typed commands in, typed results and events out.
+"""The engine's boundary: typed commands in, typed results and step outputs out.
 
-Owns every message that crosses between the server (event loop) and the
-engine (its own thread): one frozen dataclass per command, plain result
-types, the engine's error, and the snapshot the engine publishes after each
-step for health checks and metrics. Torch-free plain data; nothing here
-reaches into the scheduler, the pager or the pool. The server builds the
-OpenAI shapes from these numbers.
+Owns every message that crosses between the front (the server's event loop,
+in its own process) and the engine core: one frozen dataclass per command,
+plain result types, the engine's error, and the snapshot the core publishes
+for health checks and metrics. Nothing but token ids, numbers and short
+strings crosses: the front frames and tokenizes requests and detokenizes
+replies; the core never sees request text and never sends KV. Torch-free
+plain data; `engine.wire` encodes it.
 
-    server ──Command──▶ AsyncEngine (queue) ──▶ Engine.handle(cmd) ──▶ result | EngineError
-    server ◀──EngineEvent (per response / ticket)── step()
-    server ◀──EngineSnapshot (after every step, read-only)──
+    front ──Command──▶ CoreClient ══(zmq)══▶ EngineCore ──▶ Engine.handle(cmd) ──▶ result | EngineError
+    front ◀──StepOutput (one per core iteration: every response's new tokens)══
+    front ◀──EngineSnapshot (in the step outputs, at most every 0.2 s)══
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from streamchat.model.sampling_params import SamplingParams
+
+Tokens = tuple[int, ...]
 
 
 class EngineError(Exception):
@@ -26,114 +31,102 @@ class EngineError(Exception):
         self.code = code
 
 
-# -- commands ------------------------------------------------------------------------
-
-Message = tuple[str, str, bool]  # (role, text, closed) of one transcript item, oldest first
+# -- commands: sessions ------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class OpenSession:
+    """A new session whose context starts with `prefix` (BOS + framed system prompt: pinned)."""
+
     session_id: str
-    instructions: str = ""
+    prefix: Tokens = ()
 
 
 @dataclass(frozen=True)
 class RestoreTranscript:
-    """Open a session from its transcript; returns the transcript's length in tokens."""
+    """Open a session from its transcript: `prefix`, then `tokens` (cut to the window here)."""
 
     session_id: str
-    instructions: str
-    messages: tuple[Message, ...]
+    prefix: Tokens
+    tokens: Tokens = ()
+    open_item: bool = False  # the transcript ends in an open append item
+    num_items: int = 0
     admit: bool = False  # new work (a stateless request), not a rebuild: the daemon's pending limit applies
 
 
 @dataclass(frozen=True)
 class RestoreSaved:
-    """Open a session from its saved KV (a tiers Snapshot); returns None, or why not."""
+    """Open a session from its saved file, read off the step loop; None when restored, else why not.
 
-    session_id: str
-    instructions: str
-    messages: tuple[Message, ...]
-    snapshot: Any
-
-
-@dataclass(frozen=True)
-class LoadSaved:
-    """Read and check a session's saved file (run off the engine thread): a Snapshot.
-
-    Raises tiers.KVFileError with its reason when the file cannot be used.
+    `prefix` must be what the file's context starts with; `mark` what it was stamped with.
     """
 
     session_id: str
+    prefix: Tokens
     mark: str
+    open_item: bool = False
+    num_items: int = 0
 
 
 @dataclass(frozen=True)
 class SetInstructions:
+    """A new pinned prefix; the rest of the context is kept and rebuilt behind it."""
+
     session_id: str
-    instructions: str
+    prefix: Tokens
 
 
 @dataclass(frozen=True)
-class PrepareItem:
-    """Frame a message and check the session may take it; returns a Prepared. Changes nothing."""
+class CheckRoom:
+    """Would the session and the daemon take `num_tokens` more queued tokens? Changes nothing."""
 
     session_id: str
-    role: str
-    text: str
-
-
-@dataclass(frozen=True)
-class PrepareAppend:
-    """Tokenize text for the open user item (opened if none); returns a Prepared. Changes nothing."""
-
-    session_id: str
-    text: str
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """Tokens checked against the limits, ready to queue once the store has them."""
-
-    session_id: str
-    token_ids: tuple[int, ...]
-    opens_item: bool = False  # an append that opens the user item
-    closes_item: bool = False  # an item that closes the open append item first
-    kind: str = "item"  # item | append
+    num_tokens: int
 
 
 @dataclass(frozen=True)
 class Queue:
-    """Queue prepared tokens; `ticket` is reported (ItemPrefilled) once they are in the cache.
+    """Queue tokens the store already holds; returns the session's context after its queued work.
 
-    Returns the session's context after its queued work (tokens it will attend to).
+    kind: `item` (a whole message; `closes_item` if it first closes the open append item),
+    `append` (raw text into the open user item; `opens_item` for the first), `commit` (closes it).
+    `ticket` is reported in a step output once every token is in the cache.
     """
 
-    prepared: Prepared
-    ticket: Any = None
-
-
-@dataclass(frozen=True)
-class CommitText:
-    """Close the open append item; returns True, or False when none was open."""
-
     session_id: str
-    ticket: Any = None
+    token_ids: Tokens
+    kind: str = "item"
+    opens_item: bool = False
+    closes_item: bool = False
+    ticket: int | None = None
 
 
 @dataclass(frozen=True)
 class StartResponse:
+    """Queue a reply: `close` (closing an open append item), then `instructions` (this turn only:
+    they leave the context when it ends), then the reply prompt; sample from there."""
+
     session_id: str
     response_id: str
-    params: Any  # SamplingParams
+    params: SamplingParams
     max_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-    instructions: str | None = None  # this turn only: never kept in the context
+    instructions: Tokens = ()
+    close: Tokens = ()
 
 
 @dataclass(frozen=True)
 class CancelResponse:
     session_id: str
+
+
+@dataclass(frozen=True)
+class StopResponse:
+    """The front's detokenizer met a stop string at the reply's token `num_tokens`: the reply ends
+    there (completed); tokens sampled after it leave the context."""
+
+    session_id: str
+    response_id: str
+    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -146,7 +139,7 @@ class CloseSession:
 
 @dataclass(frozen=True)
 class Prefetch:
-    """A client attached: bring its KV up now; returns the Residency it came from."""
+    """A client attached: bring its KV up now; returns the tier it came from."""
 
     session_id: str
 
@@ -154,6 +147,9 @@ class Prefetch:
 @dataclass(frozen=True)
 class GetStats:
     session_id: str
+
+
+# -- commands: saving -------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -190,17 +186,18 @@ class Persist:
     timeout_s: float = 10.0
 
 
-Command = (OpenSession | RestoreTranscript | RestoreSaved | LoadSaved | SetInstructions | PrepareItem
-           | PrepareAppend | Queue | CommitText | StartResponse | CancelResponse | CloseSession | Prefetch
-           | GetStats | CheckpointCandidates | Checkpoint | Release | Persist)
+Command = (OpenSession | RestoreTranscript | RestoreSaved | SetInstructions | CheckRoom | Queue
+           | StartResponse | CancelResponse | StopResponse | CloseSession | Prefetch | GetStats
+           | CheckpointCandidates | Checkpoint | Release | Persist)
+COMMANDS: tuple[type, ...] = Command.__args__
 
 
-# -- results ---------------------------------------------------------------------------
+# -- results -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Usage:
-    """Plain numbers about one finished response; the server shapes them for the wire."""
+    """Plain numbers about one finished response; the front shapes them for the wire."""
 
     input_tokens: int = 0
     cached_tokens: int = 0
@@ -235,8 +232,8 @@ class SessionStats:
 class EngineSnapshot:
     """What the engine looked like after its last step: read by /healthz and /metrics.
 
-    Built on the engine thread and replaced whole, so a reader on another
-    thread never sees a half-changed figure.
+    Built on the core's loop between steps and replaced whole, so a reader
+    never sees a half-changed figure.
     """
 
     kv_blocks_free: int = 0

@@ -1,24 +1,32 @@
-"""What the engine reports after a step. Torch-free plain data."""
+"""What the engine reports: step events (core side) and the front's text events. Torch-free plain data.
+
+The core reports token ids only; the front turns them into text
+(`TextDelta`, and `ResponseFinished.text`) with its detokenizer.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from streamchat.engine.api import Usage
 
 
 @dataclass(frozen=True)
 class ItemPrefilled:
-    """All tokens of a submitted piece of work are in the cache."""
+    """All tokens of a queued piece of work are in the cache."""
 
     session_id: str
-    ticket: object
+    ticket: int | None
     context_tokens: int
 
 
 @dataclass(frozen=True)
-class TextDelta:
+class NewTokens:
+    """Tokens a response sampled in one step, in order (never the end-of-sequence token)."""
+
     session_id: str
     response_id: str
-    text: str
+    token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -26,10 +34,19 @@ class ResponseFinished:
     session_id: str
     response_id: str
     status: str  # completed | cancelled | incomplete | failed
-    reason: str | None  # client_cancelled | max_output_tokens | overloaded | ...
+    reason: str | None  # client_cancelled | max_output_tokens | overloaded | engine_restarting | ...
+    usage: Usage | None = None
+    token_ids: tuple[int, ...] = ()  # the reply's tokens as they stay in the context
+    text: str = ""  # filled by the front's detokenizer
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New text of a response (front side): the deltas concatenated are its final text."""
+
+    session_id: str
+    response_id: str
     text: str
-    usage: dict = field(default_factory=dict)
-    token_ids: tuple[int, ...] = ()
 
 
-EngineEvent = ItemPrefilled | TextDelta | ResponseFinished
+EngineEvent = ItemPrefilled | NewTokens | ResponseFinished

@@ -1,8 +1,8 @@
-"""The engine's published figures: one EngineSnapshot built on the engine thread.
+"""The engine's published figures: one EngineSnapshot built on the engine's thread.
 
 Owns reading live engine state into plain numbers. Called only on the
-engine thread (or by a test holding the engine), so nothing changes under
-the read; the server reads the snapshot, never the engine.
+engine's thread (or by a test holding the engine), so nothing changes under
+the read; the front reads the snapshot the core sends, never the engine.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def take_snapshot(eng) -> EngineSnapshot:
     sessions = list(eng.sessions.values())
     running = sum(1 for s in sessions if s.response is not None and s.response.phase is not Phase.QUEUED)
     waiting = sum(1 for s in sessions if s.response is not None and s.response.phase is Phase.QUEUED)
-    residency = [s.tier for s in sessions]
+    residency = [s.residency.value for s in sessions]
     return EngineSnapshot(
         kv_blocks_free=pool.num_free - pool.num_cached_free, kv_blocks_cached=pool.num_cached_free,
         kv_blocks_used=pool.num_used, kv_blocks_shared=sum(1 for c in pool.ref_counts if c > 1),
@@ -25,7 +25,7 @@ def take_snapshot(eng) -> EngineSnapshot:
         kv_bytes_per_block=eng.runner.bytes_per_block,
         sessions=len(sessions), sessions_running=running, sessions_waiting=waiting,
         sessions_idle=sum(1 for s in sessions if s.response is None),
-        sessions_by_residency={t: residency.count(t) for t in TIERS},
+        sessions_by_residency={t.value: residency.count(t.value) for t in TIERS},
         queued_tokens=sum(s.queued_tokens for s in sessions),
         prefix_queried_tokens=mgr.num_prefix_queried_tokens, prefix_hit_tokens=mgr.num_prefix_hit_tokens,
         evicted_tokens=mgr.num_evicted_tokens, evicted_by_policy=dict(mgr.evicted_by_policy), preemptions=sched.preemptions, idle_drops=sched.idle_drops,
@@ -46,5 +46,6 @@ def _tier_figures(pager, per_block: int) -> dict:
                  "root": str(disk.root), "writes": disk.num_writes, "written_bytes": disk.num_written_bytes,
                  "write_failures": disk.num_write_failures, "deletions": disk.num_deletions}
         if disk else None,
-        "moves": dict(pager.moves), "load_failures": dict(pager.load_failures),
+        "moves": {(a.value, b.value): n for (a, b), n in pager.moves.items()},
+        "load_failures": dict(pager.load_failures),
     }

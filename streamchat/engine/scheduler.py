@@ -1,9 +1,10 @@
-"""Building each step's batch: decode first, then prefill chunks round-robin, under a budget.
+"""The scheduler: each step's batch, and (through its placer) where every session's KV lives.
 
 Owns which sessions run this step, how many tokens each gets, and making
 room when the pool is full (idle sessions give up their blocks first, then
-the newest running work is preempted and re-queued). Torch-free: it moves
-token ids and block ids, never tensors.
+the newest running work is preempted and re-queued). Its `placer`
+(engine.placement) is the one owner of sessions' residency. Torch-free: it
+moves token ids and block ids, never tensors.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from streamchat.cache.manager import KVCacheManager
 from streamchat.config import SchedulerConfig
 from streamchat.model.batch import SeqChunk, StepBatch
 from streamchat.engine.costs import StepCosts
-from streamchat.engine.session import EngineSession, Pending, Phase, Residency
+from streamchat.engine.placement import Placer
+from streamchat.engine.session import EngineSession, Pending, Phase
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +40,24 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, manager: KVCacheManager, pager=None) -> None:
+    def __init__(self, cfg: SchedulerConfig, manager: KVCacheManager, pager=None,
+                 sessions: dict[str, EngineSession] | None = None, sync_io: bool = True) -> None:
         self.cfg = cfg
         self.manager = manager
         self.stats = SchedulerStats()
-        self.pager = pager  # the tier connector: idle sessions move down instead of being dropped
+        self.sessions = sessions if sessions is not None else {}
+        self.placer = Placer(manager, pager, self.sessions, self.stats, sync_io)
         self._rr = 0  # round-robin start for prefill
         self.costs = StepCosts()  # learned from every step the engine runs
         self.clock = time.monotonic
 
+    @property
+    def pager(self):
+        return self.placer.pager
+
     def schedule(self, sessions: list[EngineSession]) -> Scheduled:
-        """Pick this step's work. `sessions` is in arrival order (oldest first)."""
+        """Pick this step's work. `sessions` is in arrival order (oldest first); only those whose
+        KV is on the device run (a session whose file is being read waits for it)."""
         out = Scheduled(StepBatch())
         self._admit(sessions)
         budget = self.cfg.max_tokens_per_step
@@ -86,7 +95,7 @@ class Scheduler:
         tiny chunks waste it. The round-robin start moves past the sessions served, so over
         a few steps every one gets its turn.
         """
-        ready = [s for s in sessions if s.pending and self._may_prefill(s)]
+        ready = [s for s in sessions if s.pending and s.resident and self._may_prefill(s)]
         if not ready:
             return
         start = self._rr % len(ready)
@@ -194,22 +203,14 @@ class Scheduler:
 
     def _make_room(self, s: EngineSession, num_new: int, sessions: list[EngineSession],
                    scheduled: list[EngineSession]) -> bool:
-        """True once the pool can take the append; drops idle, then preempts newest running."""
+        """True once the pool can take the append; idle sessions give up blocks first, then the
+        newest running work is preempted."""
         while not self.manager.can_append(s.seq, num_new):
-            victim = self._idle_victim(sessions, s, scheduled) or self._running_victim(sessions, s, scheduled)
+            victim = self.placer.idle_victim(s, scheduled) or self._running_victim(sessions, s, scheduled)
             if victim is None:
                 return False
-            self.drop(victim)
+            self.placer.drop(victim)
         return True
-
-    @staticmethod
-    def _idle_victim(sessions, me, scheduled) -> EngineSession | None:
-        # A session whose last pending chunk is in this step is idle now, but its
-        # blocks are written by this step: freeing them could hand them to another
-        # chunk of the same step (two writes to one slot).
-        idle = [v for v in sessions if v is not me and v.resident and v.seq.block_ids and not v.busy
-                and not any(v is o for o in scheduled)]
-        return min(idle, key=lambda v: v.last_active, default=None)
 
     def _running_victim(self, sessions, me, scheduled) -> EngineSession | None:
         busy = [v for v in sessions if v is not me and v.resident and v.seq.block_ids
@@ -218,78 +219,6 @@ class Scheduler:
             return None
         self.stats.preemptions += 1
         return busy[-1]  # the newest
-
-    def make_free(self, num_blocks: int, sessions: list[EngineSession], me: EngineSession) -> bool:
-        """True once `num_blocks` blocks are free; idle sessions give theirs up, least recent first.
-
-        Called between steps (a page-in on a request), so no chunk is in flight.
-        """
-        while self.manager.pool.num_free < num_blocks:
-            victim = self._idle_victim(sessions, me, ())
-            if victim is None:
-                return False
-            self.drop(victim)
-        return True
-
-    def drop(self, s: EngineSession) -> None:
-        """Give up the session's blocks: an idle one moves down a tier if one takes it, else
-        (and a busy one always) keeps only its tokens, rebuilt when next needed."""
-        if not s.busy and self.pager is not None and self.pager.page_out(s):
-            log.debug("session %s moved to the %s tier", s.session_id, s.tier)
-            return
-        tokens = list(s.seq.token_ids)
-        self.manager.free(s.seq)
-        s.seq = self.manager.new_seq(s.pinned_tokens, s.seq.eviction)
-        if s.busy:
-            s.pending.appendleft(Pending(tokens))
-        else:
-            s.residency, s.dropped_tokens = Residency.DROPPED, tokens
-            self.stats.idle_drops += 1
-        log.debug("session %s gave up its blocks (%d tokens)", s.session_id, len(tokens))
-
-    # -- residency and context changes the engine asks for (only here and in the pager) ----
-
-    def wake(self, s: EngineSession, make_free) -> None:
-        """Its context is about to change: bring its KV back up, or rebuild it from its tokens."""
-        if s.resident or (self.pager is not None and self.pager.page_in(s, make_free)):
-            return
-        if self.pager is not None:
-            self.pager.discard(s)
-        s.pending.appendleft(Pending(s.dropped_tokens))
-        s.residency, s.dropped_tokens = Residency.DEVICE, []
-
-    def reset(self, s: EngineSession, pinned_tokens: int, prefix: list[int]) -> None:
-        """A new system prompt: every position's KV changes, so the context is rebuilt behind it.
-
-        Queued entries keep their tickets (each is reported once its tokens are in).
-        """
-        tail = (list(s.seq.token_ids) if s.resident else list(s.dropped_tokens))[s.pinned_tokens:]
-        if self.pager is not None:
-            self.pager.discard(s)  # nothing to page in: the saved KV is of the old prompt
-        self.manager.free(s.seq)
-        s.pinned_tokens = pinned_tokens
-        s.seq = self.manager.new_seq(pinned_tokens, s.seq.eviction)
-        s.residency, s.dropped_tokens = Residency.DEVICE, []
-        queued = [Pending(p.token_ids[p.done:], p.ticket, p.starts_response) for p in s.pending]
-        s.pending.clear()
-        s.pending.append(Pending(prefix + tail))
-        s.pending.extend(queued)
-
-    def rebuild(self, s: EngineSession) -> None:
-        """Recompute the session's KV from its tokens (after a failed step: its cache is not trusted)."""
-        if not s.resident:
-            return
-        tokens = list(s.seq.token_ids)
-        self.manager.free(s.seq)
-        s.seq = self.manager.new_seq(s.pinned_tokens, s.seq.eviction)
-        if tokens:
-            s.pending.appendleft(Pending(tokens))
-
-    def forget(self, s: EngineSession, delete_file: bool) -> None:
-        """The session is closed: its host copy goes (and its file, if asked), its blocks are freed."""
-        if self.pager is not None:
-            self.pager.discard(s, delete_file=delete_file)
-        self.manager.free(s.seq)
 
     def drop_turn_instructions(self, s: EngineSession, instructions: list[int], num_after: int) -> None:
         """Take a finished response's own system message out of the context.
@@ -311,9 +240,9 @@ class Scheduler:
             log.warning("session %s: this turn's instructions were evicted with the reply; "
                         "left as they are", s.session_id)
             return
-        self._cut_stream(s, cache, a, b)
+        self.cut_stream(s, cache, a, b)
 
-    def _cut_stream(self, s: EngineSession, cache: list[int], a: int, b: int) -> None:
+    def cut_stream(self, s: EngineSession, cache: list[int], a: int, b: int) -> None:
         """Remove stream[a:b] (stream = cache + queue), re-queuing what the cache cut loses."""
         bs = self.manager.block_size
         requeue: list[int] = []

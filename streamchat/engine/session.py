@@ -1,6 +1,7 @@
 """Engine-side state of one session: its cache, the work waiting for it, its response.
 
-Torch-free plain data; the engine and scheduler change it, nothing else.
+Torch-free plain data; the engine and scheduler change it, nothing else
+(where its KV lives, `residency`, only the scheduler's placement).
 """
 
 from __future__ import annotations
@@ -10,22 +11,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from streamchat.cache.manager import SeqCache
+from streamchat.tiers.residency import TIERS, Residency
 
-
-
-class Residency(str, enum.Enum):
-    """Where a session's KV is. Only the scheduler (and the tier connector it owns) changes it."""
-
-    DEVICE = "device"  # in the device pool: its table is live
-    HOST = "host"  # copied to the host tier
-    DISK = "disk"  # in its file on disk
-    DROPPED = "dropped"  # tokens only: rebuilt by prefill on next use
-
-    def __str__(self) -> str:
-        return self.value
-
-
-TIERS = tuple(r.value for r in Residency)
+__all__ = ["EngineSession", "Pending", "Phase", "Residency", "Response", "TIERS"]
 
 
 @dataclass
@@ -53,7 +41,6 @@ class Response:
     response_id: str
     params: object  # SamplingParams
     max_tokens: int | None
-    detok: object  # IncrementalDetokenizer
     generator: object
     created_at: float
     phase: Phase = Phase.QUEUED
@@ -80,6 +67,7 @@ class EngineSession:
     residency: Residency = Residency.DEVICE
     dropped_tokens: list[int] = field(default_factory=list)  # its context while not on the device
     parked: object = None  # its SeqState while in the host or disk tier
+    loading: bool = False  # its file is being read (on the disk reader thread) to come back up
     kv_version: int = 0  # bumped whenever its context changes: tells current saved copies from old
     transcript_mark: str | None = None  # the stored transcript its context matches, if known
     total_tokens: int = 0
@@ -91,10 +79,6 @@ class EngineSession:
         return self.residency is Residency.DEVICE
 
     @property
-    def tier(self) -> str:
-        return self.residency.value
-
-    @property
     def queued_tokens(self) -> int:
         """Tokens waiting to enter the cache: pending now, or after the running response."""
         return sum(p.remaining for p in self.pending) + sum(p.remaining for p in self.deferred)
@@ -102,6 +86,11 @@ class EngineSession:
     @property
     def busy(self) -> bool:
         return bool(self.pending) or self.response is not None
+
+    @property
+    def runnable(self) -> bool:
+        """It has work the scheduler can take now (its KV is on the device)."""
+        return self.resident and self.busy
 
     @property
     def decoding(self) -> bool:

@@ -38,8 +38,9 @@ ORIGIN_FREE_PATHS = ("/healthz", "/metrics")  # readable by GET without an Origi
 
 
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, log_level: str = "INFO", log_format: str = "text") -> None:
         self.config = config
+        self.log_settings = (log_level, log_format)  # the engine core logs the same way
         self.stopping = asyncio.Event()
         self.connections: set = set()
         self.exit_code = 0
@@ -48,37 +49,31 @@ class Daemon:
         self.http = HttpFront(OpenAIHttp(self, REALTIME_PATH))  # /v1/ routes other than the websocket
 
     async def start(self) -> None:
-        from streamchat.engine.async_engine import AsyncEngine
-        from streamchat.engine.engine import Engine
-        from streamchat.model.runner import ModelRunner, load_model
+        from streamchat.engine.core_client import CoreClient, Supervision
         from streamchat.model.sampling_params import load_model_defaults
         from streamchat.server.metrics import DaemonMetrics
         from streamchat.server.sessions import Hub
         from streamchat.store import AsyncStore, Store
-        from streamchat.tiers.disk import default_data_dir
 
         cfg = self.config
         store = Store(cfg.store.url)
         await asyncio.to_thread(store.migrate)
         self.store = AsyncStore(store)
-        loaded = await asyncio.to_thread(load_model, cfg.model)
-        runner = await asyncio.to_thread(ModelRunner, loaded, cfg.cache)
-        data_dir = cfg.tiers.data_dir or default_data_dir(cfg.store.url)
-        engine = await asyncio.to_thread(Engine, runner, cfg.cache, cfg.scheduler, tiers=cfg.tiers,
-                                         data_dir=data_dir)
-        self.model_name = loaded.source.name
+        sched = cfg.scheduler
+        self.aengine = CoreClient(cfg, sched.engine_call_timeout_s,
+                                  Supervision(max_restarts=sched.max_engine_restarts,
+                                              restart_window_s=sched.engine_restart_window_s),
+                                  *self.log_settings)
+        self.aengine.on_fatal = self._engine_failed
+        info = await self.aengine.start()
+        self.model_name = info.model_name
         names = cfg.server.served_model_name
         # what a client may name as `model`; the first is what the session object reports
         self.served_names = tuple(n for n in names if n != "*") or (self.model_name,)
         self.any_model_name = "*" in names
-        sched = cfg.scheduler
-        self.aengine = AsyncEngine(engine, cfg.model.num_threads, sched.engine_call_timeout_s,
-                                   sched.max_failed_steps)
-        self.aengine.on_fatal = self._engine_failed
         self.metrics = DaemonMetrics(self.aengine)
-        self.aengine.start()
         self.hub = Hub(self.aengine, self.store, self.served_names[0], cfg.cache,
-                       load_model_defaults(loaded.source.folder))
+                       load_model_defaults(info.model_folder))
         s = cfg.server
         self.limits = Limits(max_text_chars=s.max_text_chars, max_output_tokens=s.max_output_tokens)
         self.server = await serve(
@@ -86,33 +81,32 @@ class Daemon:
             max_size=s.max_frame_bytes, select_subprotocol=_select_subprotocol,
             ping_interval=20, ping_timeout=20, close_timeout=5, create_connection=self.http.create_connection)
         self.port = self.server.sockets[0].getsockname()[1]
-        snap = self.aengine.snapshot
-        self._log_ready(loaded, data_dir)
-        if snap.tiers["disk"] is not None and cfg.tiers.checkpoint_idle_s:
-            self._every(cfg.tiers.checkpoint_idle_s, self.hub.checkpoint_idle, "checkpointing idle sessions")
-        self._every(s.session_idle_release_s, self.hub.release_idle, "releasing idle sessions")
+        self._log_ready(info)
+        restore = self.hub.restore
+        if info.snapshot.tiers["disk"] is not None and cfg.tiers.checkpoint_idle_s:
+            self._every(cfg.tiers.checkpoint_idle_s, restore.checkpoint_idle, "checkpointing idle sessions")
+        self._every(s.session_idle_release_s, restore.release_idle, "releasing idle sessions")
 
-    def _log_ready(self, loaded, data_dir) -> None:
+    def _log_ready(self, info) -> None:
         """One block of what an operator needs: the model as served, the pool, the tiers, where."""
         from sqlalchemy.engine import make_url
 
         from streamchat.logs import block
 
-        cfg, snap = self.config, self.aengine.snapshot
+        cfg, snap = self.config, info.snapshot
         host, disk = snap.tiers["host"], snap.tiers["disk"]
-        model = loaded.model
         fields = {
             "address": f"ws://{cfg.server.host}:{self.port}{REALTIME_PATH}", "model": self.model_name,
-            "model_path": str(loaded.source.gguf or loaded.source.folder), "served_model_names": list(self.served_names),
-            "any_model_name": self.any_model_name,
-            "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
-            "weights": loaded.weights, "attention": model.backend.name,
+            "model_path": info.model_path, "served_model_names": list(self.served_names),
+            "any_model_name": self.any_model_name, "engine_pid": info.pid,
+            "device": info.device, "dtype": info.dtype, "weights": info.weights, "attention": info.attention,
             "kv_blocks": snap.kv_blocks_total, "kv_block_tokens": cfg.cache.block_size,
-            "kv_bytes": snap.kv_blocks_total * snap.kv_bytes_per_block, "kv_dtype": cfg.cache.kv_dtype,
+            "kv_bytes": snap.kv_blocks_total * snap.kv_bytes_per_block, "kv_dtype": info.kv_dtype,
+            "kv_dtype_reason": info.kv_dtype_reason,
             "window": f"{cfg.cache.sink_tokens} sink + {cfg.cache.window_tokens} window tokens",
             "host_tier": f"{host['blocks_total']} blocks" if host else "off",
             "disk_tier": f"{disk['root']} (budget {cfg.tiers.disk_tier_gib:g} GiB)" if disk else "off",
-            "data_dir": str(data_dir), "store": make_url(cfg.store.url).render_as_string(hide_password=True),
+            "data_dir": str(info.data_dir), "store": make_url(cfg.store.url).render_as_string(hide_password=True),
             "sampling": self.hub.session_sampling(),
         }
         f = fields
@@ -120,9 +114,11 @@ class Daemon:
         sampling = ", ".join(f"{k} {v:g}" for k, v in f["sampling"].items())
         rows = {
             "model": f"{f['model']} from {f['model_path']}; clients may name it: {names}",
-            "compute": f"{f['device']}, {f['dtype']}, {f['weights']} weights, {f['attention']} attention",
+            "compute": f"{f['device']}, {f['dtype']}, {f['weights']} weights, {f['attention']} attention "
+                       f"(engine core pid {f['engine_pid']})",
             "kv pool": f"{f['kv_blocks']} blocks of {f['kv_block_tokens']} tokens, "
-                       f"{f['kv_bytes'] / 2**20:.1f} MiB ({f['kv_dtype']} kv dtype); {f['window']}",
+                       f"{f['kv_bytes'] / 2**20:.1f} MiB ({f['kv_dtype']} kv dtype: {f['kv_dtype_reason']}); "
+                       f"{f['window']}",
             "tiers": f"host {f['host_tier']}, disk {f['disk_tier']}",
             "data": f"store {f['store']}, saved sessions in {f['data_dir']}",
             "sampling": f"{sampling} (when a request and its session set none)",
@@ -236,9 +232,13 @@ class Daemon:
         """Read from the engine's published snapshot: never from live engine state."""
         snap = self.aengine.snapshot
         fatal = self.aengine.fatal
-        status = "failed" if fatal else "stopping" if self.stopping.is_set() else "ok"
+        status = ("failed" if fatal else "stopping" if self.stopping.is_set()
+                  else "restarting" if self.aengine.restarting else "ok")
         tiers = snap.tiers
+        info = self.aengine.info
         return {"status": status, **({"reason": fatal} if fatal else {}), "model": self.model_name,
+                "kv_dtype": {"dtype": info.kv_dtype, "why": info.kv_dtype_reason},
+                "engine": {"pid": info.pid, "starts": self.aengine.epoch},
                 "kv_blocks": {"free": snap.kv_blocks_free + snap.kv_blocks_cached, "total": snap.kv_blocks_total,
                               "held": snap.kv_blocks_held, "block_size": self.config.cache.block_size},
                 "kv_bytes_per_token": snap.kv_bytes_per_token,
@@ -281,15 +281,15 @@ class Daemon:
                 for task in self.tasks:
                     task.cancel()
                 await asyncio.gather(*self.tasks, return_exceptions=True)
-                if self.aengine.fatal is None:
+                if self.aengine.fatal is None and not self.aengine.restarting:
                     try:
-                        await self.hub.persist_all(max(0.5, deadline - time.monotonic() - 1.5))
+                        await self.hub.restore.persist_all(max(0.5, deadline - time.monotonic() - 1.5))
                     except Exception:
                         log.exception("saving sessions to disk failed; they will be rebuilt from their transcripts")
-                if await self.aengine.stop(max(0.1, deadline - time.monotonic() - 1.0)):
-                    await self.aengine.close_tiers()
+                await self.aengine.stop(max(0.1, deadline - time.monotonic() - 1.0))
         except TimeoutError:
             log.warning("shutdown passed its %g s deadline; leaving what still runs", timeout)
+        await self.aengine.aclose()
         try:
             await asyncio.wait_for(self.store.aclose(), max(0.5, deadline - time.monotonic()))
         except TimeoutError:
@@ -306,9 +306,15 @@ class Daemon:
         await self.server.wait_closed()
 
 
-async def _serve(config: Config) -> int:
-    daemon = Daemon(config)
-    await daemon.start()
+async def _serve(config: Config, log_level: str, log_format: str) -> int:
+    daemon = Daemon(config, log_level, log_format)
+    try:
+        await daemon.start()
+    except BaseException:
+        if getattr(daemon, "aengine", None) is not None:
+            await daemon.aengine.stop(1.0)
+            await daemon.aengine.aclose()
+        raise
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.stopping.set)
@@ -319,11 +325,11 @@ async def _serve(config: Config) -> int:
     return daemon.exit_code
 
 
-def run(config: Config) -> int:
-    # torch's OpenMP workers spin while they wait; on a few cores that starves
-    # the event loop thread: passive waiting after a short spin (config.OMP_WAIT).
+def run(config: Config, log_level: str = "INFO", log_format: str = "text") -> int:
+    # torch's OpenMP workers (in the engine core, which inherits this environment) spin while
+    # they wait; on a few cores that starves the front: passive waiting after a short spin.
     omp_wait_defaults()
-    return asyncio.run(_serve(config))
+    return asyncio.run(_serve(config, log_level, log_format))
 
 
 def _is_loopback(name: str) -> bool:

@@ -34,6 +34,7 @@ FAILURE_MESSAGES = {
     "overloaded": "no capacity to start this response; retry later",
     "store_unavailable": "the reply could not be stored; it is lost",
     "engine_unavailable": "the engine stopped; reconnect and resume the session",
+    "engine_restarting": "the engine restarted mid-reply; the session is intact: ask again",
 }
 
 
@@ -53,7 +54,11 @@ class Connection:
     async def run(self) -> None:
         writer = asyncio.create_task(self.outbox.run(self.ws))
         try:
-            self.session = await self.hub.create()
+            try:
+                self.session = await self.hub.create()
+            except EngineError as exc:  # the engine is restarting (or stopped): try again later
+                await self.ws.close(1013, f"{exc.code}: retry")
+                return
             self._attach(self.session)
             self.send(ev.session_created(self.hub.describe(self.session, with_token=True)))
             await self._read()
@@ -121,11 +126,11 @@ class Connection:
                               "cannot switch sessions while a response runs")
         if self.num_sessions >= self.cfg.max_sessions_per_connection:
             raise EngineError("invalid_event", "too many sessions on this connection")
-        target, restored_from = await self.hub.resume(e.session_id, e.resume_token)
+        target, restored_from = await self.hub.restore.resume(e.session_id, e.resume_token)
         old = self.session
-        self.session = target
-        self._attach(target)
-        if old is not target:
+        if old is not target:  # resuming the session it already holds attaches nothing more
+            self.session = target
+            self._attach(target)
             await self.hub.detach(old)
         self.send(ev.session_resumed(self.hub.describe(target), restored_from))
         self.metrics.resumed(restored_from)
@@ -133,20 +138,24 @@ class Connection:
     async def on_ItemCreate(self, e: p.ItemCreate) -> None:
         s = self.session
         await self._close_open_item(s)
-        prepared = await self.submit(api.PrepareItem(s.id, e.role, e.text))
+        tokens = await self.hub.item_tokens(s, e.role, e.text)
+        await self.hub.check_room(s, len(tokens))
         item_id = e.item_id or ev.new_id("item")
         await self.hub.ensure_stored(s)
-        await self.hub.store.add_item(s.id, item_id, e.role, "message", e.text, "completed",
-                                      len(prepared.token_ids))
-        ticket = asyncio.get_running_loop().create_future()
-        await self.hub.queue(s, prepared, ticket)
+        await self.hub.store.add_item(s.id, item_id, e.role, "message", e.text, "completed", len(tokens))
+        _, ticket = await self.hub.queue(s, tokens, "item", want_ticket=True)
         item = ev.item_object(item_id, e.role, e.text)
         previous, s.last_item_id = s.last_item_id, item_id
         self.send(ev.item_added(item, previous))
         self._spawn(self._item_done_when_cached(ticket, item, previous))
 
     async def _item_done_when_cached(self, ticket: asyncio.Future, item: dict, previous) -> None:
-        await ticket
+        try:
+            await ticket
+        except EngineError as exc:  # the engine restarted first: the item is stored, and comes back with it
+            self.error(exc.code, f"item {item['id']} is stored but the engine restarted before it entered "
+                                 "the cache; it joins the context when the session comes back")
+            return
         self.send(ev.item_done(item, previous))
 
     async def on_InputTextAppend(self, e: p.InputTextAppend) -> None:
@@ -155,10 +164,11 @@ class Connection:
             raise EngineError("message_too_large",
                               f"the open item would hold more than {self.cfg.max_append_item_chars} characters; "
                               "commit it and start another")
-        prepared = await self.submit(api.PrepareAppend(s.id, e.text))
-        await self.hub.ensure_stored(s)
-        num = len(prepared.token_ids)
         opens = s.open_item_id is None
+        tokens = await self.hub.append_tokens(s, e.text, opens)
+        await self.hub.check_room(s, len(tokens))
+        await self.hub.ensure_stored(s)
+        num = len(tokens)
         item_id = s.open_item_id or ev.new_id("item")
         if opens:
             await self.hub.store.add_item(s.id, item_id, "user", "append", e.text, "in_progress", num)
@@ -166,7 +176,7 @@ class Connection:
         else:
             await self.hub.store.append_text(s.id, item_id, e.text, num)
         s.open_item_chars += len(e.text)
-        context = await self.hub.queue(s, prepared)
+        context, _ = await self.hub.queue(s, tokens, "append", opens=opens)
         if opens:
             previous, s.last_item_id = s.last_item_id, item_id
             self.send(ev.item_added(ev.item_object(item_id, "user", None, status="in_progress"), previous))
@@ -184,8 +194,7 @@ class Connection:
         item_id = s.open_item_id
         await self.hub.store.finish_item(s.id, item_id, status="completed")
         s.open_item_id, s.open_item_chars = None, 0
-        ticket = asyncio.get_running_loop().create_future()
-        await self.hub.commit_text(s, ticket)
+        _, ticket = await self.hub.queue(s, tuple(self.hub.chat.close_message("user")), "commit", want_ticket=True)
         records = await self.hub.store.items(s.id)
         text = next((r.text for r in reversed(records) if r.item_id == item_id), "")
         self._spawn(self._item_done_when_cached(ticket, ev.item_object(item_id, "user", text), None))
@@ -203,8 +212,9 @@ class Connection:
         rid, item_id = ev.new_id("resp"), ev.new_id("item")
         await self.hub.store.add_item(s.id, item_id, "assistant", "response", "", "in_progress", 0)
         try:
+            turn, close = await self.hub.turn_tokens(s, e.instructions)
             stream = await self.hub.start_response(
-                api.StartResponse(s.id, rid, params, limit, e.stop or (), e.instructions))
+                s, api.StartResponse(s.id, rid, params, limit, turn, close), tuple(e.stop or ()))
         except BaseException:
             await self._forget_item(s, item_id)
             raise
@@ -248,7 +258,7 @@ class Connection:
         except StoreError as exc:
             log.error("session %s: response %s could not be stored: %s", s.id, rid, exc)
             status, reason = "failed", exc.code
-            await self.hub.rebuild(s)  # the engine heard a reply the transcript lacks
+            await self.hub.restore.rebuild(s)  # the engine heard a reply the transcript lacks
         s.response_id = s.response_owner = None
         item_status = "completed" if status == "completed" else "incomplete"
         item = ev.item_object(item_id, "assistant", out.text, status=item_status)
@@ -271,10 +281,10 @@ class Connection:
         s = self.session
         if s.response_id is None or (e.response_id and e.response_id != s.response_id):
             raise EngineError("response_cancel_not_active", "no response is running")
-        await self.submit(api.CancelResponse(s.id))
+        await self.hub.call(s, api.CancelResponse(s.id))
 
     async def on_SessionStats(self, e: p.SessionStats) -> None:
-        stats = await self.submit(api.GetStats(self.session.id))
+        stats = await self.hub.call(self.session, api.GetStats(self.session.id))
         self.send(ev.session_stats(_stats(stats)))
 
     # -- teardown -------------------------------------------------------------------------
@@ -295,7 +305,7 @@ class Connection:
 
     async def cancel_quietly(self, s: LiveSession | None = None) -> None:
         s = s or self.session
-        if s is None or s.response_id is None:
+        if s is None or s.response_id is None or s.epoch != self.hub.engine.epoch:
             return
         try:
             await self.submit(api.CancelResponse(s.id), timeout_s=5.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from streamchat.engine.session import TIERS
+from streamchat.tiers.residency import TIERS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -109,7 +109,7 @@ def _tier_metrics(snap):
     tiers = snap.tiers
     host, disk = tiers["host"], tiers["disk"]
     yield _gauge("streamchat_tier_sessions", "Sessions by where their KV is (dropped: tokens only)", "tier",
-                 {t: snap.sessions_by_residency.get(t, 0) for t in TIERS})
+                 {t.value: snap.sessions_by_residency.get(t.value, 0) for t in TIERS})
     used = {"device": snap.kv_blocks_used * snap.kv_bytes_per_block}
     capacity = {"device": snap.kv_blocks_total * snap.kv_bytes_per_block}
     if host is not None:

@@ -119,8 +119,12 @@ class OpenAIHttp:
         try:
             async with d.hub.ephemeral(chat.instructions, chat.messages) as session_id:
                 rid = new_id("chatcmpl").replace("_", "-")
-                stream = await d.hub.start_response(
-                    api.StartResponse(session_id, rid, params, max_tokens, chat.stop))
+                stream = d.hub.engine.open_stream(rid, session_id, tuple(chat.stop or ()))
+                try:
+                    await d.hub.submit(api.StartResponse(session_id, rid, params, max_tokens))
+                except BaseException:
+                    d.hub.engine.close_stream(rid)
+                    raise
                 try:
                     await _Reply(chat, rid, stream, out).run()
                 finally:

@@ -42,13 +42,15 @@ class ErrorCode(str, enum.Enum):
     ITEM_ID_IN_USE = "item_id_in_use"
     PENDING_LIMIT_EXCEEDED = "pending_limit_exceeded"
     ENGINE_UNAVAILABLE = "engine_unavailable"
+    ENGINE_RESTARTING = "engine_restarting"
+    INSTRUCTIONS_TOO_LONG = "instructions_too_long"
 
 
 ERROR_CODES: tuple[str, ...] = tuple(code.value for code in ErrorCode)
 # Codes reported with error.type "server_error"; all others are
 # "invalid_request_error".
 SERVER_ERROR_CODES: frozenset[str] = frozenset(
-    {"overloaded", "internal", "store_unavailable", "engine_unavailable"},
+    {"overloaded", "internal", "store_unavailable", "engine_unavailable", "engine_restarting"},
 )
 
 # Sampling ranges, equal to streamchat.model.sampling_params' (docs/protocol.md,

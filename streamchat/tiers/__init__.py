@@ -1,21 +1,22 @@
-"""A memory hierarchy for sessions: the device pool, host memory, and one file per session on disk.
+"""A memory hierarchy for sessions' KV below the device pool: host memory, and one file per session on disk.
 
 `kvfile` is the saved-session format, `host` and `disk` the two lower tiers,
-`pager` the policy that moves idle sessions down and active ones back up.
-`build_pager` wires them for an engine from its `TierConfig`.
+`pager` the mover that copies blocks between them and the device pool (it
+decides nothing: the engine's scheduler says what goes where and when),
+`residency` the names of the tiers. `build_pager` wires them for an engine.
+Importing this package imports nothing heavy; its modules import torch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from streamchat.tiers.kvfile import REASONS, KVFileError, KVLayout, SeqState, Snapshot
-
 
 def build_pager(cfg, runner, cache_cfg, manager, data_dir: Path | str | None):
     """The engine's Pager, or None when both lower tiers are off (no host memory, no data dir)."""
     from streamchat.tiers.disk import DiskTier
     from streamchat.tiers.host import HostTier
+    from streamchat.tiers.kvfile import KVLayout
     from streamchat.tiers.pager import Pager
 
     num_host_blocks = cfg.host_bytes // runner.bytes_per_block
@@ -28,4 +29,4 @@ def build_pager(cfg, runner, cache_cfg, manager, data_dir: Path | str | None):
     return Pager(manager, runner.kv_caches, host, disk)
 
 
-__all__ = ["build_pager", "KVFileError", "KVLayout", "REASONS", "SeqState", "Snapshot"]
+__all__ = ["build_pager"]

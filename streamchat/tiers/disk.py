@@ -4,16 +4,20 @@ Owns the directory: file names (never taken from client input unchecked),
 the index of what is there (size, last use, and for copies written by this
 process the session version they hold), deleting the least recently used
 files beyond the budget, removing half-written temp files on start, and the
-one background thread that writes. Saving hands a snapshot to that thread
-and returns at once; until it is on disk, `load` serves it from memory.
-The file format is `kvfile`'s. Thread-safe: the engine thread saves and
-loads, the event loop's worker threads load, the writer thread writes.
+two background threads: one writes, one reads. Saving hands a snapshot to
+the writer and returns at once; until it is on disk, `load` serves it from
+memory. `load_async` reads and checks a file on the reader thread and hands
+the result to a callback, so the engine's step loop never waits on a disk.
+The file format is `kvfile`'s. Thread-safe: the engine's loop saves and asks
+for loads, the reader thread loads, the writer thread writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import queue
 import os
 import re
 import threading
@@ -63,8 +67,9 @@ class Copy:
 
 @dataclass
 class _Job:
-    snapshot: Snapshot
+    snapshot: Snapshot | None  # None: re-stamp the file on disk with `copy.mark` (same KV)
     copy: Copy
+    session_id: str = ""
     started: bool = False
     cancelled: bool = False
 
@@ -91,9 +96,12 @@ class DiskTier:
         self._scan()
         with self._lock:
             self._enforce_budget(keep=None)
-        self._thread = threading.Thread(target=self._run, name="streamchat-disk-tier", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="streamchat-disk-writer", daemon=True)
         self._stopping = False
         self._thread.start()
+        self._reads: queue.SimpleQueue = queue.SimpleQueue()
+        self._reader = threading.Thread(target=self._read_loop, name="streamchat-disk-reader", daemon=True)
+        self._reader.start()
 
     # -- figures ----------------------------------------------------------------------
 
@@ -129,7 +137,29 @@ class DiskTier:
             old = self._pending.get(name)
             if old is not None and not old.started:
                 old.cancelled = True
-            self._pending[name] = _Job(snap, Copy(size, self.clock(), version, snap.mark))
+            self._pending[name] = _Job(snap, Copy(size, self.clock(), version, snap.mark), snap.session_id)
+            self._queue.append(name)
+            self._lock.notify_all()
+        return True
+
+    def restamp(self, session_id: str, mark: str) -> bool:
+        """Stamp the saved copy (the session's KV as it is now) with a newer transcript mark.
+
+        The file is read back and rewritten on the writer thread; False if there is no copy.
+        """
+        name = file_name(session_id)
+        with self._lock:
+            job = self._pending.get(name)
+            if job is not None and not job.started and job.snapshot is not None:
+                job.snapshot = dataclasses.replace(job.snapshot, mark=mark)
+                job.copy.mark = mark
+                return True
+            copy = job.copy if job is not None else self._files.get(name)
+            if copy is None:
+                return False
+            if job is not None and not job.started:
+                job.cancelled = True
+            self._pending[name] = _Job(None, dataclasses.replace(copy, mark=mark), session_id)
             self._queue.append(name)
             self._lock.notify_all()
         return True
@@ -154,12 +184,34 @@ class DiskTier:
         with self._lock:
             job = self._pending.get(name)
             if job is not None:
-                if mark is not ANY_MARK and job.snapshot.mark != mark:
+                if mark is not ANY_MARK and job.copy.mark != mark:
                     raise KVFileError("stale", "the transcript changed after this copy was taken")
-                return job.snapshot
+                if job.snapshot is not None:
+                    return job.snapshot
+        if job is not None:  # a re-stamp on its way: the file holds the same KV under the older mark
+            return dataclasses.replace(kvfile.read(self.root / name, self.layout, session_id), mark=job.copy.mark)
         snap = kvfile.read(self.root / name, self.layout, session_id, mark)
         self._touch(name)
         return snap
+
+    def load_async(self, session_id: str, mark, done) -> None:
+        """`load` on the reader thread; `done(snapshot or KVFileError)` is called there."""
+        self._reads.put((session_id, mark, done))
+
+    def _read_loop(self) -> None:
+        while True:
+            item = self._reads.get()
+            if item is None:
+                return
+            session_id, mark, done = item
+            try:
+                result = self.load(session_id, mark)
+            except KVFileError as exc:
+                result = exc
+            except Exception as exc:  # noqa: BLE001 - a reader bug must not lose the request
+                log.exception("reading the saved file of %s failed", session_id)
+                result = KVFileError("unreadable", repr(exc))
+            done(result)
 
     def delete(self, session_id: str) -> None:
         """Forget the session's copy: cancel its write, remove its file."""
@@ -183,6 +235,8 @@ class DiskTier:
             self._stopping = True
             self._lock.notify_all()
         self._thread.join()
+        self._reads.put(None)
+        self._reader.join()
 
     # -- the writer thread ------------------------------------------------------------
 
@@ -202,10 +256,14 @@ class DiskTier:
 
     def _write(self, name: str, job: _Job) -> None:
         try:
-            size = kvfile.write_atomic(self.root / name, job.snapshot, self.layout)
+            snap = job.snapshot
+            if snap is None:  # a re-stamp: the same KV under a newer mark
+                snap = dataclasses.replace(kvfile.read(self.root / name, self.layout, job.session_id),
+                                           mark=job.copy.mark)
+            size = kvfile.write_atomic(self.root / name, snap, self.layout)
         except Exception as exc:  # a full disk, a permission: the session is rebuilt from tokens
             size = None
-            log.warning("could not save session %s to %s: %s", job.snapshot.session_id, self.root, exc)
+            log.warning("could not save session %s to %s: %s", job.session_id, self.root, exc)
         with self._lock:
             if self._pending.get(name) is job:
                 del self._pending[name]

@@ -6,7 +6,8 @@ CPU tensors otherwise, where it still lets a fixed device pool hold more
 sessions' worth of KV) and which session holds which host blocks. Full
 blocks of a pristine session keep their prefix hash here too, so sessions
 sharing a system prompt hold one host copy of it. Knows nothing about the
-policy: the pager decides who comes and goes.
+policy or about sessions but their ids: the engine's scheduler decides who
+comes and goes, the pager copies.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from streamchat.tiers.kvfile import FIELDS, SeqState
 
 @dataclass
 class HostEntry:
-    session: object  # the EngineSession
+    session_id: str
     block_ids: list[int]  # host block ids, table order
     state: SeqState
     block_hashes: list[int]  # prefix hashes of the leading full blocks (pristine only)
@@ -98,7 +99,7 @@ class HostTier:
             need += block_id is None or self.pool.ref_counts[block_id] == 0
         return need
 
-    def put(self, session, state: SeqState, block_hashes: list[int], device_caches,
+    def put(self, session_id: str, state: SeqState, block_hashes: list[int], device_caches,
             device_ids: list[int]) -> HostEntry:
         """Copy the session's device blocks in; blocks already here by prefix hash are shared."""
         ids, src, dst = [], [], []
@@ -115,8 +116,8 @@ class HostTier:
                     self.pool.register(block_id, block_hashes[idx], tuple(state.token_ids[idx * bs:(idx + 1) * bs]))
             ids.append(block_id)
         copy_blocks(device_caches, src, self.caches, dst, self.stream)
-        entry = HostEntry(session, ids, state, list(block_hashes))
-        self.entries[session.session_id] = entry
+        entry = HostEntry(session_id, ids, state, list(block_hashes))
+        self.entries[session_id] = entry
         return entry
 
     def _cached(self, state: SeqState, block_hashes: list[int], idx: int) -> int | None:
@@ -130,7 +131,7 @@ class HostTier:
 
     def release(self, entry: HostEntry) -> None:
         """Forget the entry and drop its block references (tail first; hashed blocks stay findable)."""
-        self.entries.pop(entry.session.session_id, None)
+        self.entries.pop(entry.session_id, None)
         for block_id in reversed(entry.block_ids):
             self.pool.free(block_id)
 

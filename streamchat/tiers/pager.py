@@ -1,39 +1,44 @@
-"""The tier policy: idle sessions move down (device -> host -> disk), active ones come back up.
+"""The mover: copies a session's blocks between the device pool, the host tier and the disk tier.
 
-Owns where each idle session's KV lives and every move between tiers: a
-session the scheduler asks to give up its blocks goes to the host tier if it
-has room, else straight to disk when disk already holds its current state,
-else to the host tier after the host's least recently paged-out sessions go
-to disk, else to disk; only when no tier takes it is it dropped to its
-tokens. Bringing one back allocates device blocks (re-taking pristine
-leading blocks still in the prefix cache instead of copying them) and copies
-its KV in: nothing is recomputed. Counts every move and every refused file.
+Owns the copies and the figures about them (moves between tiers, files
+refused by reason); decides nothing and changes no session. The engine's
+scheduler (its placement) says what goes where and when, keeps each
+session's `Residency`, and makes room in the device pool before it asks
+for a page-in, so nothing here calls back up. Sessions are named by id;
+their state travels as `SeqState`.
 
-Runs on the engine thread, except `note_failure` and the figures.
-
-    EngineSession.residency (only this module and the scheduler change it)
-    device --page_out--> host --(host full: its oldest)--> disk   (no disk: dropped)
-    device --page_out--> disk   (the host cannot take it, or disk holds it already)
-    device <--page_in--- host | disk   (copied back; a bad file: dropped)
-    dropped: only its tokens are kept; the next use rebuilds it by prefill
+    device --to_host / save_device--> host | disk      (copies out; the caller frees the blocks)
+    host   --save_host--> disk                          (the host's oldest, when the host needs room)
+    host | snapshot --plan_in, land--> device           (copies in: a new block table)
+    disk   --load_async (reader thread)--> snapshot     (read and checked off the step loop)
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 from streamchat.cache.manager import SeqCache, chain_hash
-from streamchat.engine.session import Residency
 from streamchat.tiers import kvfile
 from streamchat.tiers.disk import DiskTier
 from streamchat.tiers.host import HostTier, copy_blocks
-from streamchat.tiers.kvfile import KVFileError, SeqState, Snapshot
+from streamchat.tiers.kvfile import SeqState, Snapshot
+from streamchat.tiers.residency import MOVES, Residency
 
 log = logging.getLogger(__name__)
 
-MOVES = (("device", "host"), ("device", "disk"), ("host", "disk"), ("host", "dropped"),
-         ("host", "device"), ("disk", "device"))
+
+@dataclass
+class PlanIn:
+    """A page-in under way: the device block per table row, None where a copy must land."""
+
+    state: SeqState
+    ids: list[int | None]
+
+    @property
+    def missing(self) -> list[int]:
+        return [r for r, b in enumerate(self.ids) if b is None]
 
 
 class Pager:
@@ -44,110 +49,95 @@ class Pager:
         self.host = host
         self.disk = disk
         self.block_bytes = sum(t[0].numel() * t.element_size() for kv in device_caches for t in kv if t is not None)
-        self.moves = dict.fromkeys(MOVES, 0)
+        self.moves: dict[tuple[Residency, Residency], int] = dict.fromkeys(MOVES, 0)
         self.load_failures = dict.fromkeys(kvfile.REASONS, 0)
         self._lock = threading.Lock()
 
-    # -- down -----------------------------------------------------------------------
+    # -- the host tier ------------------------------------------------------------------
 
-    def page_out(self, s) -> bool:
-        """Move an idle resident session's blocks down a tier; False if no tier takes it."""
-        seq = s.seq
-        state = state_of(s)
-        target = self._place(s, state, seq)
-        if target is None:
-            return False
-        self.manager.free(seq)
-        s.seq = self.manager.new_seq(s.pinned_tokens, s.seq.eviction)
-        s.residency, s.dropped_tokens, s.parked = Residency(target), list(state.token_ids), state
-        self.moves[("device", target)] += 1
-        return True
+    def host_fits(self, state: SeqState, hashes: list[int]) -> bool:
+        """The host has free blocks for this state now."""
+        return self.host is not None and self.host.blocks_needed(state, hashes) <= self.host.pool.num_free
 
-    def _place(self, s, state: SeqState, seq: SeqCache) -> str | None:
-        hashes = seq.block_hashes if seq.pristine else []
-        host = self.host
-        if host is not None and host.blocks_needed(state, hashes) <= host.pool.num_free:
-            host.put(s, state, hashes, self.kv, seq.block_ids)
-            return "host"
-        if self.on_disk(s):
-            return "disk"
-        if host is not None and len(seq.block_ids) <= host.capacity:
-            while host.blocks_needed(state, hashes) > host.pool.num_free and host.entries:
-                self._evict_host(host.oldest())
-            if host.blocks_needed(state, hashes) <= host.pool.num_free:
-                host.put(s, state, hashes, self.kv, seq.block_ids)
-                return "host"
-        if self._disk_takes(len(seq.block_ids)):
-            snap = Snapshot(s.session_id, state, kvfile.gather(self.kv, seq.block_ids), s.transcript_mark)
-            if self.disk.save(snap, s.kv_version):
-                return "disk"
-        return None
+    def host_could_fit(self, num_blocks: int) -> bool:
+        """The host could hold this many blocks once its other sessions leave."""
+        return self.host is not None and num_blocks <= self.host.capacity
 
-    def _disk_takes(self, num_blocks: int) -> bool:
+    def to_host(self, session_id: str, state: SeqState, block_ids: list[int], hashes: list[int]) -> None:
+        """Copy device blocks into the host tier (the caller checked `host_fits`)."""
+        self.host.put(session_id, state, hashes, self.kv, block_ids)
+        self.moves[(Residency.DEVICE, Residency.HOST)] += 1
+
+    def host_oldest(self) -> str | None:
+        """The session least recently paged out to the host."""
+        entry = self.host.oldest() if self.host is not None else None
+        return entry.session_id if entry is not None else None
+
+    def host_state(self, session_id: str) -> SeqState:
+        return self.host.entries[session_id].state
+
+    def drop_host(self, session_id: str, to: Residency | None = None) -> None:
+        """Forget the session's host copy (`to`: where it went instead, counted as a move)."""
+        entry = self.host.entries.get(session_id) if self.host is not None else None
+        if entry is not None:
+            self.host.release(entry)
+            if to is not None:
+                self.moves[(Residency.HOST, to)] += 1
+
+    # -- the disk tier ------------------------------------------------------------------
+
+    def on_disk(self, session_id: str, version: int) -> bool:
+        """Disk holds this version of the session (written, or queued for writing)."""
+        copy = self.disk.copy_of(session_id) if self.disk is not None else None
+        return copy is not None and copy.version == version
+
+    def disk_mark(self, session_id: str) -> str | None:
+        copy = self.disk.copy_of(session_id) if self.disk is not None else None
+        return copy.mark if copy is not None else None
+
+    def disk_takes(self, num_blocks: int) -> bool:
         """The disk tier is on and one file of this many blocks fits its budget."""
         return self.disk is not None and num_blocks * self.block_bytes <= self.disk.budget
 
-    def _evict_host(self, entry) -> None:
-        """The host's oldest session goes to disk (dropped to its tokens if disk cannot take it)."""
-        s = entry.session
-        to = "disk"
-        if not self.on_disk(s):
-            taken = self._disk_takes(len(entry.block_ids)) and self.disk.save(
-                Snapshot(s.session_id, entry.state, self.host.gather(entry), s.transcript_mark), s.kv_version)
-            to = "disk" if taken else "dropped"
-        self.host.release(entry)
-        s.residency = Residency(to)
-        self.moves[("host", to)] += 1
-
-    def on_disk(self, s) -> bool:
-        """Disk holds the session's current state (written, or queued for writing)."""
-        copy = self.disk.copy_of(s.session_id) if self.disk is not None else None
-        return copy is not None and copy.version == s.kv_version
-
-    # -- up -------------------------------------------------------------------------
-
-    def page_in(self, s, make_free) -> bool:
-        """Bring a host or disk session back to the device pool; False leaves it where it was.
-
-        `make_free(n)` makes n device blocks free (paging idle sessions down).
-        """
-        if s.tier == "host":
-            # out of the host's LRU while it comes up: making room may push others to the host
-            entry = self.host.entries.pop(s.session_id)
-            seq = self.to_device(entry.state, lambda rows, ids: copy_blocks(
-                self.host.caches, [entry.block_ids[r] for r in rows], self.kv, ids, self.host.stream), make_free)
-            if seq is None:
-                self.host.entries[s.session_id] = entry
-                self.host.entries.move_to_end(s.session_id, last=False)
-                return False
-            self.host.release(entry)
-        elif s.tier == "disk":
-            try:
-                snap = self.disk.load(s.session_id)
-                if snap.state.token_ids != s.dropped_tokens:
-                    raise KVFileError("inconsistent", "its tokens are not the session's")
-            except KVFileError as exc:
-                self.note_failure(exc.reason)
-                log.warning("session %s: saved KV not used (%s); rebuilding it from its tokens", s.session_id, exc)
-                s.residency, s.parked = Residency.DROPPED, None
-                return False
-            seq = self.to_device(snap.state, lambda rows, ids: kvfile.scatter(snap.tensors, rows, self.kv, ids),
-                                 make_free)
-            if seq is None:
-                return False
-        else:
+    def save_device(self, session_id: str, state: SeqState, block_ids: list[int], version: int,
+                    mark: str | None) -> bool:
+        """Queue a file of the session's device blocks (copied out now, written on the writer thread)."""
+        if not self.disk_takes(len(block_ids)):
             return False
-        self.moves[(s.tier, "device")] += 1
-        s.seq, s.residency, s.dropped_tokens, s.parked = seq, Residency.DEVICE, [], None
-        return True
+        return self.disk.save(Snapshot(session_id, state, kvfile.gather(self.kv, block_ids), mark), version)
 
-    def to_device(self, state: SeqState, copy_rows, make_free) -> SeqCache | None:
-        """A block table holding `state` in freshly allocated device blocks, or None if no room.
+    def save_host(self, session_id: str, version: int, mark: str | None) -> bool:
+        """Queue a file of the session's host copy."""
+        entry = self.host.entries[session_id]
+        if not self.disk_takes(len(entry.block_ids)):
+            return False
+        return self.disk.save(Snapshot(session_id, entry.state, self.host.gather(entry), mark), version)
 
-        Leading full blocks of a pristine state that the prefix cache still
-        holds are re-taken instead of copied; `copy_rows(rows, block_ids)`
-        copies the others in.
-        """
+    def restamp(self, session_id: str, mark: str) -> bool:
+        return self.disk is not None and self.disk.restamp(session_id, mark)
+
+    def adopt(self, session_id: str, version: int) -> None:
+        """The session's state now is what its file holds (it was just loaded from it)."""
+        self.disk.adopt(session_id, version)
+
+    def delete_file(self, session_id: str) -> None:
+        if self.disk is not None:
+            self.disk.delete(session_id)
+
+    def load_async(self, session_id: str, mark, done) -> None:
+        """Read and check the session's file on the reader thread; `done(Snapshot | KVFileError)` there."""
+        def finished(result) -> None:
+            if isinstance(result, kvfile.KVFileError):
+                self.note_failure(result.reason)
+            done(result)
+
+        self.disk.load_async(session_id, mark, finished)
+
+    # -- into the device pool -------------------------------------------------------------
+
+    def plan_in(self, state: SeqState) -> PlanIn:
+        """Start a page-in: leading full blocks of a pristine state that the prefix cache still
+        holds are taken (a reference each) instead of copied; the rest are `missing`."""
         pool, bs = self.manager.pool, self.bs
         tokens = state.token_ids
         ids: list[int | None] = [None] * state.num_blocks(bs)
@@ -159,16 +149,35 @@ class Pager:
                 ids[idx] = pool.lookup(parent, block_tokens)
                 if ids[idx] is not None:
                     pool.touch(ids[idx])
-        rows = [r for r, b in enumerate(ids) if b is None]
-        if not make_free(len(rows)):
-            for b in ids:
-                if b is not None:
-                    pool.free(b)
-            return None
+        return PlanIn(state, ids)
+
+    def abort(self, plan: PlanIn) -> None:
+        """Give back the references a plan took."""
+        for b in plan.ids:
+            if b is not None:
+                self.manager.pool.free(b)
+
+    def land_host(self, plan: PlanIn, session_id: str) -> SeqCache:
+        """Finish a page-in from the host copy (the caller made room for `plan.missing`)."""
+        entry = self.host.entries[session_id]
+        seq = self._land(plan, lambda rows, ids: copy_blocks(
+            self.host.caches, [entry.block_ids[r] for r in rows], self.kv, ids, self.host.stream))
+        self.drop_host(session_id, to=Residency.DEVICE)
+        return seq
+
+    def land_snapshot(self, plan: PlanIn, snap: Snapshot) -> SeqCache:
+        """Finish a page-in from a loaded file (the caller made room for `plan.missing`)."""
+        seq = self._land(plan, lambda rows, ids: kvfile.scatter(snap.tensors, rows, self.kv, ids))
+        self.moves[(Residency.DISK, Residency.DEVICE)] += 1
+        return seq
+
+    def _land(self, plan: PlanIn, copy_rows) -> SeqCache:
+        pool, ids, state = self.manager.pool, plan.ids, plan.state
+        rows = plan.missing
         for r in rows:
             ids[r] = pool.allocate()
         copy_rows(rows, [ids[r] for r in rows])
-        seq = SeqCache(block_ids=ids, token_ids=list(tokens), num_sink_blocks=state.num_sink_blocks,
+        seq = SeqCache(block_ids=ids, token_ids=list(state.token_ids), num_sink_blocks=state.num_sink_blocks,
                        pristine=state.pristine, evicted_tokens=state.evicted_tokens,
                        cached_tokens=state.cached_tokens, queried_tokens=state.queried_tokens,
                        eviction=state.eviction,
@@ -176,39 +185,7 @@ class Pager:
         self.manager.commit(seq)  # registers the copied blocks for reuse, as prefill would
         return seq
 
-    def discard(self, s, delete_file: bool = False) -> None:
-        """Forget the session's host copy (and its file); it is resident or gone now."""
-        entry = self.host.entries.get(s.session_id) if self.host is not None else None
-        if entry is not None:
-            self.host.release(entry)
-        if delete_file and self.disk is not None:
-            self.disk.delete(s.session_id)
-        s.parked = None
-
-    # -- saving copies ------------------------------------------------------------------
-
-    def checkpoint(self, s, mark: str) -> bool:
-        """Save an idle session's current state to disk, stamped with its transcript `mark`."""
-        if self.disk is None or s.busy:
-            return False
-        s.transcript_mark = mark
-        copy = self.disk.copy_of(s.session_id)
-        if copy is not None and copy.version == s.kv_version:
-            if copy.mark == mark:
-                return True
-            try:  # the same KV, stamped anew
-                old = self.disk.load(s.session_id)
-            except KVFileError:
-                return False
-            snap = Snapshot(s.session_id, old.state, old.tensors, mark)
-        elif s.tier == "device" and s.seq.block_ids and self._disk_takes(len(s.seq.block_ids)):
-            snap = Snapshot(s.session_id, state_of(s), kvfile.gather(self.kv, s.seq.block_ids), mark)
-        elif s.tier == "host" and self._disk_takes(len(self.host.entries[s.session_id].block_ids)):
-            entry = self.host.entries[s.session_id]
-            snap = Snapshot(s.session_id, entry.state, self.host.gather(entry), mark)
-        else:
-            return False
-        return self.disk.save(snap, s.kv_version)
+    # -- lifecycle and figures ----------------------------------------------------------
 
     def flush(self) -> None:
         if self.disk is not None:
@@ -218,26 +195,20 @@ class Pager:
         if self.disk is not None:
             self.disk.close()
 
-    # -- figures --------------------------------------------------------------------
-
     def note_failure(self, reason: str) -> None:
         with self._lock:
             self.load_failures[reason] += 1
 
-    def check(self, sessions) -> None:
-        """Assert every session's tier agrees with where its KV is."""
+    def check(self, host_ids: set[str]) -> None:
+        """Assert the host tier holds exactly the sessions said to be there."""
         if self.host is not None:
             self.host.check()
-        for s in sessions:
-            assert s.resident == (s.tier == "device"), (s.session_id, s.tier)
-            in_host = self.host is not None and s.session_id in self.host.entries
-            assert in_host == (s.tier == "host"), (s.session_id, s.tier)
-            if not s.resident:
-                assert not s.seq.block_ids and s.parked is not None or s.tier == "dropped"
+            assert set(self.host.entries) == host_ids, (set(self.host.entries), host_ids)
+        else:
+            assert not host_ids
 
 
-def state_of(s) -> SeqState:
-    seq = s.seq
-    return SeqState(list(seq.token_ids), seq.num_sink_blocks, s.pinned_tokens, seq.pristine,
-                    seq.evicted_tokens, s.total_tokens, seq.cached_tokens, seq.queried_tokens,
+def state_of(seq: SeqCache, pinned_tokens: int, total_tokens: int) -> SeqState:
+    return SeqState(list(seq.token_ids), seq.num_sink_blocks, pinned_tokens, seq.pristine,
+                    seq.evicted_tokens, total_tokens, seq.cached_tokens, seq.queried_tokens,
                     seq.eviction, list(seq.block_scores))

@@ -8,7 +8,7 @@ import pytest
 from streamchat.config import CacheConfig, Config, ModelConfig, SchedulerConfig
 from streamchat.engine import api
 from streamchat.engine.api import EngineError
-from streamchat.engine.async_engine import AsyncEngine
+from streamchat.engine.core_client import CoreClient, Supervision
 from streamchat.engine.events import ItemPrefilled, ResponseFinished
 from streamchat.llm import LLM
 from streamchat.model.sampling import SamplingParams
@@ -96,57 +96,67 @@ class BreaksAtFirstSample(FailingRunner):
         return super().execute(batch)
 
 
-def test_the_async_engine_gives_up_after_failed_steps_in_a_row(bundled_fp32):
-    """max_failed_steps failures in a row: fatal, streams fail, new commands get engine_unavailable."""
-    eng = make_llm(bundled_fp32).engine
-    eng.runner = BreaksAtFirstSample(eng.runner)
+def client_for(llm, **supervision):
+    """A CoreClient whose core runs in a thread around `llm`'s engine (the loop and messages of the
+    daemon's core process, without a second model load)."""
+    return CoreClient(llm.config, 30.0, Supervision(**supervision), engine=llm.engine)
+
+
+def test_the_core_gives_up_after_failed_steps_in_a_row(bundled_fp32):
+    """max_failed_steps failures in a row: the core reports why and ends; its response fails, and a
+    core that cannot be restarted makes the client fatal: new commands get engine_unavailable."""
+    llm = make_llm(bundled_fp32, max_failed_steps=3)
+    llm.engine.runner = BreaksAtFirstSample(llm.engine.runner)
     reasons = []
 
     async def go():
-        ae = AsyncEngine(eng, max_failed_steps=3)
-        ae.on_fatal = reasons.append
-        ae.start()
-        await ae.submit(api.OpenSession("s"))
-        prepared = await ae.submit(api.PrepareItem("s", "user", "Hello"))
-        await ae.submit(api.Queue(prepared))
-        stream = ae.open_stream("r")
-        await ae.submit(api.StartResponse("s", "r", SamplingParams(), 8))
-        outs = []
-        while not any(isinstance(o, ResponseFinished) and o.reason == "engine_unavailable" for o in outs):
-            outs.append(await asyncio.wait_for(stream.get(), 60))
+        client = client_for(llm)
+        client.on_fatal = reasons.append
+        await client.start()
+        chat = client.tokenizer.chat
+        await client.submit(api.OpenSession("s", tuple(chat.system_prefix(""))))
+        await client.submit(api.Queue("s", tuple(chat.message("user", "Hello"))))
+        stream = client.open_stream("r", "s")
+        await client.submit(api.StartResponse("s", "r", SamplingParams(), 8))
+        outs = [await asyncio.wait_for(stream.get(), 60)]
+        while not reasons:
+            await asyncio.sleep(0.05)
         with pytest.raises(EngineError) as err:
-            await ae.submit(api.GetStats("s"))
-        await ae.stop()
-        return outs, err.value.code, ae.fatal
+            await client.submit(api.GetStats("s"))
+        await client.aclose()
+        return outs, err.value.code, client.fatal
 
     outs, code, fatal = asyncio.run(go())
-    assert [o.reason for o in outs if isinstance(o, ResponseFinished)][0] == "internal"
-    assert code == "engine_unavailable" and fatal == "3 engine steps failed in a row" and reasons == [fatal]
+    assert [(o.status, o.reason) for o in outs if isinstance(o, ResponseFinished)] == [("failed", "internal")]
+    assert code == "engine_unavailable" and reasons == [fatal] and "3 engine steps failed in a row" in fatal
+
+
+class SlowRunner(FailingRunner):
+    def execute(self, batch):
+        time.sleep(1.5)
+        return super().execute(batch)
 
 
 def test_a_command_not_taken_in_time_never_runs(bundled_fp32):
-    """A deadline passes while the engine thread is busy: engine_unavailable, and the command is dropped."""
-    eng = make_llm(bundled_fp32).engine
-
-    class Busy:
-        pass
-
-    eng._handlers[Busy] = lambda cmd: time.sleep(1.5)
+    """A deadline passes while the core is inside a step: engine_unavailable, and the command is dropped."""
+    llm = make_llm(bundled_fp32, max_tokens_per_step=16)
+    llm.engine.runner = SlowRunner(llm.engine.runner)
 
     async def go():
-        ae = AsyncEngine(eng)
-        ae.start()
-        busy = asyncio.ensure_future(ae.submit(Busy(), timeout_s=10))
-        await asyncio.sleep(0.2)
+        client = client_for(llm)
+        await client.start()
+        chat = client.tokenizer.chat
+        await client.submit(api.OpenSession("busy", tuple(chat.system_prefix("You are terse. " * 8))))
+        await asyncio.sleep(0.2)  # its prefill runs: a step of 16 tokens takes 1.5 s
         with pytest.raises(EngineError) as err:
-            await ae.submit(api.OpenSession("late"), timeout_s=0.3)
-        await busy
-        await ae.submit(api.OpenSession("other"))  # the engine serves on
-        await ae.stop()
+            await client.submit(api.OpenSession("late"), timeout_s=0.3)
+        await client.submit(api.OpenSession("other"))  # the core serves on
+        await client.stop()
+        await client.aclose()
         return err.value.code
 
     assert asyncio.run(go()) == "engine_unavailable"
-    assert "late" not in eng.sessions and "other" in eng.sessions
+    assert "late" not in llm.engine.sessions and "other" in llm.engine.sessions
 
 
 def test_pending_limits_refuse_before_anything_changes(bundled_fp32):
@@ -157,11 +167,11 @@ def test_pending_limits_refuse_before_anything_changes(bundled_fp32):
     eng.append_text("a", "one two three four five six seven eight nine ten")
     queued = eng.sessions["a"].queued_tokens
     with pytest.raises(EngineError) as err:
-        eng.handle(api.PrepareAppend("a", " eleven" * 40))
+        eng.handle(api.CheckRoom("a", len(eng.chat.encode(" eleven" * 40))))
     assert err.value.code == "pending_limit_exceeded" and eng.sessions["a"].queued_tokens == queued
     eng.append_text("b", "one two three four five six seven eight nine ten")
     with pytest.raises(EngineError) as err:
-        eng.handle(api.PrepareItem("b", "user", "a b c d e f g h i j k l m n o p q r s t"))
+        eng.handle(api.CheckRoom("b", len(eng.chat.message("user", "a b c d e f g h i j k l m n o p q r s t"))))
     assert err.value.code == "overloaded"
 
 
@@ -170,7 +180,7 @@ def test_new_instructions_keep_the_tickets_of_queued_items(bundled_fp32):
     eng = make_llm(bundled_fp32).engine
     eng.open_session("s")
     eng.add_item("s", "user", "Tell me about the sea. " * 20, ticket="t1")
-    eng.set_instructions("s", "You are terse.")
+    eng.set_prefix("s", eng.chat.system_prefix("You are terse."))
     reported = []
     for _ in range(50):
         reported += [e.ticket for e in eng.step() if isinstance(e, ItemPrefilled)]
@@ -196,12 +206,13 @@ def test_turn_instructions_leave_the_context_when_the_response_ends(bundled_fp32
         eng.step()
         eng.check()
     live = list(eng.sessions["s"].seq.token_ids)
-    messages = [("user", "Say hello.", True), ("assistant", fin.text, True)]
+    text = eng.tokenizer.decode(fin.token_ids, skip_special_tokens=True)
+    messages = [("user", "Say hello.", True), ("assistant", text, True)]
     eng.restore_session("t", "You are helpful.", messages)
     while eng.has_work():
         eng.step()
     rebuilt = list(eng.sessions["t"].seq.token_ids)
     system = eng.chat.message("system", "Answer in French.")
     assert all(live[i:i + len(system)] != system for i in range(len(live)))
-    if eng.chat.encode(fin.text) == list(fin.token_ids):  # the reply's tokens re-encode the same
+    if eng.chat.encode(text) == list(fin.token_ids):  # the reply's tokens re-encode the same
         assert live == rebuilt

@@ -202,7 +202,7 @@ def test_seeded_sampling_is_reproducible(bundled_fp32):
 def test_penalized_rows_get_their_history_and_others_none(bundled_fp32, monkeypatch):
     """The step hands `sample` the context tail and reply of each penalized row, an empty history
     to the others, and no history at all when no row is penalized; the penalty changes the reply."""
-    import streamchat.engine.engine as engine_module
+    import streamchat.engine.step as engine_module
     from streamchat.model.sampling import REPETITION_WINDOW, TokenHistory
 
     llm = make_llm(bundled_fp32)
@@ -238,3 +238,45 @@ def test_penalized_rows_get_their_history_and_others_none(bundled_fp32, monkeypa
     pen, again = replies
     assert again.token_ids == greedy.token_ids  # the plain row beside a penalized one: plain greedy
     assert pen.token_ids != greedy.token_ids
+
+
+def test_a_late_stop_cuts_the_tokens_sampled_past_it(bundled_fp32):
+    """The front meets a stop string at token 3 while the engine has sampled 8: the reply ends
+    there (completed), and the tokens past it leave the context, which ends with the reply's end."""
+    from streamchat.engine.events import NewTokens
+
+    llm = make_llm(bundled_fp32)
+    eng = llm.engine
+    eng.open_session("s")
+    eng.add_item("s", "user", "List three fruits.")
+    eng.start_response("s", "r", SamplingParams(), 30)
+    out = []
+    while len(out) < 8:
+        out += [t for ev in step_checked(eng) if isinstance(ev, NewTokens) for t in ev.token_ids]
+    [fin] = eng.stop_response("s", "r", 3)
+    assert (fin.status, fin.reason, list(fin.token_ids)) == ("completed", None, out[:3])
+    llm.drain()
+    eng.check()
+    chat = eng.chat
+    expected = chat.system_prefix("") + chat.message("user", "List three fruits.") + chat.reply_prompt()
+    assert eng.sessions["s"].seq.token_ids == expected + out[:3] + chat.reply_end()
+
+
+def test_a_stop_in_the_newest_token_keeps_it(bundled_fp32):
+    """A stop met in the token sampled last (not yet in the cache) keeps that token in the context."""
+    from streamchat.engine.events import NewTokens
+
+    llm = make_llm(bundled_fp32)
+    eng = llm.engine
+    eng.open_session("s")
+    eng.add_item("s", "user", "List three fruits.")
+    eng.start_response("s", "r", SamplingParams(), 30)
+    out = []
+    while len(out) < 5:
+        out += [t for ev in step_checked(eng) if isinstance(ev, NewTokens) for t in ev.token_ids]
+    [fin] = eng.stop_response("s", "r", len(out))
+    assert list(fin.token_ids) == out
+    llm.drain()
+    chat = eng.chat
+    expected = chat.system_prefix("") + chat.message("user", "List three fruits.") + chat.reply_prompt()
+    assert eng.sessions["s"].seq.token_ids == expected + out + chat.reply_end()

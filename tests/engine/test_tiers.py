@@ -7,9 +7,13 @@ import pytest
 import torch
 
 from streamchat.config import CacheConfig, Config, ModelConfig, SchedulerConfig, TierConfig
+from streamchat.engine import api
 from streamchat.engine.events import ResponseFinished
 from streamchat.llm import LLM
 from streamchat.model.sampling import SamplingParams
+from streamchat.tiers.residency import Residency
+
+DEVICE, HOST, DISK = Residency.DEVICE, Residency.HOST, Residency.DISK
 
 pytestmark = pytest.mark.slow
 
@@ -88,10 +92,10 @@ def test_tiny_pool_pages_sessions_through_host_and_disk_exactly(bundled_fp32, re
     eng = llm.engine
     assert rounds(eng, 5) == reference
     moves = eng.pager.moves
-    assert moves[("device", "host")] and moves[("host", "disk")] and moves[("host", "device")]
-    assert moves[("disk", "device")] or moves[("device", "disk")]
+    assert moves[(DEVICE, HOST)] and moves[(HOST, DISK)] and moves[(HOST, DEVICE)]
+    assert moves[(DISK, DEVICE)] or moves[(DEVICE, DISK)]
     assert eng.scheduler.stats.idle_drops == 0 and eng.scheduler.stats.preemptions == 0
-    assert {s.tier for s in eng.sessions.values()} >= {"device"}
+    assert {s.residency for s in eng.sessions.values()} >= {"device"}
     assert eng.session_stats("s0").evicted_tokens > 0 and eng.session_stats("s0").eviction == eviction
     assert eng.manager.evicted_by_policy[eviction] == eng.manager.num_evicted_tokens > 0
     if eviction == "h2o":  # every session's scores, in the pool or parked in a tier with its blocks
@@ -127,19 +131,19 @@ def test_pristine_sessions_share_prefix_blocks_in_host_and_on_page_in(bundled_fp
         if llm is small:
             blocks = len(a.seq.block_ids) + len(b.seq.block_ids)
             before = list(a.seq.block_ids)
-            eng.scheduler.drop(b)
-            eng.scheduler.drop(a)
+            eng.placer.drop(b)
+            eng.placer.drop(a)
             eng.check()
-            assert (a.tier, b.tier) == ("host", "host")
+            assert (a.residency, b.residency) == ("host", "host")
             assert eng.pager.host.pool.num_used == blocks - shared
-            assert eng.tiering.prefetch("a") == "host" and a.tier == "device" and not a.busy  # a resume
+            assert eng.handle(api.Prefetch("a")) == "host" and a.residency == "device" and not a.busy  # a resume
             eng.check()
         for sid in ("a", "b"):
             replies[llm, sid, 1] = turn(eng, sid, "And a star?")
         if llm is small:
             assert a.seq.block_ids[:shared] == before[:shared] == b.seq.block_ids[:shared]
             assert all(eng.pool.ref_counts[i] == 2 for i in a.seq.block_ids[:shared])
-            assert eng.pager.moves[("host", "device")] == 2
+            assert eng.pager.moves[(HOST, DEVICE)] == 2
             assert eng.pager.host.pool.num_used == 0
     assert all(replies[small, sid, k] == replies[big, sid, k] for sid in "ab" for k in (0, 1))
 
@@ -153,9 +157,9 @@ def test_prefetch_of_a_dropped_session_starts_its_rebuild(bundled_fp32, eviction
     turn(eng, "a", "Name a planet.")
     s = eng.sessions["a"]
     tokens = list(s.seq.token_ids)
-    eng.scheduler.drop(s)
-    assert s.tier == "dropped" and eng.session_stats("a").residency == "dropped"
-    assert eng.tiering.prefetch("a") == "dropped" and s.busy and list(s.pending[0].token_ids) == tokens
+    eng.placer.drop(s)
+    assert s.residency == "dropped" and eng.session_stats("a").residency == "dropped"
+    assert eng.handle(api.Prefetch("a")) == "dropped" and s.busy and list(s.pending[0].token_ids) == tokens
     llm.drain()
-    assert s.seq.token_ids == tokens and s.tier == "device"
+    assert s.seq.token_ids == tokens and s.residency == "device"
     eng.check()
