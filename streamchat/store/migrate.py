@@ -29,6 +29,7 @@ with _quiet_alembic():  # importing alembic logs a line per plugin it sets up
     from alembic import command
     from alembic.config import Config
     from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
 
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import URL, make_url
@@ -80,3 +81,11 @@ def current_revision(engine: Engine) -> str | None:
     """The revision recorded in the database, None before the first migration."""
     with _quiet_alembic(), engine.connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()
+
+
+def head_revision() -> str:
+    """The newest revision this version of the package ships."""
+    script = ScriptDirectory(script_location())
+    head = script.get_current_head()
+    assert head is not None, "the package ships no migrations"
+    return head
