@@ -11,6 +11,9 @@ run as the `postgres` user that Debian's package creates; anyone else runs
 them as themselves. fsync is off: these tests kill clients, never the server or
 the machine, so what a commit promises them does not depend on the disk.
 
+A cluster records the test process that owns it; the next run stops and
+deletes any whose owner is gone (a run killed before its teardown).
+
 Nothing here skips: a missing or broken server is a `ClusterError` whose
 message says what to install or what the server logged.
 """
@@ -35,8 +38,11 @@ SERVER_SETTINGS = {
     "max_connections": "100",
     "shared_buffers": "32MB",
     "log_min_messages": "warning",
+    "dynamic_shared_memory_type": "mmap",  # segments inside the data folder, deleted with it (not /dev/shm)
 }
 INSTALL_HINT = "install Debian's postgresql package (`make postgres`, as root)"
+PREFIX = "streamchat-pg-"
+OWNER_FILE = "owner.pid"  # the test process the cluster belongs to
 
 
 class ClusterError(RuntimeError):
@@ -124,7 +130,9 @@ class Cluster:
 def start_cluster() -> Cluster:
     """A started cluster in a new temp folder; `stop()` it. ClusterError (and nothing left behind) if it fails."""
     bindir = find_bindir()
-    root = Path(tempfile.mkdtemp(prefix="streamchat-pg-", dir=_memory_folder()))
+    _reap_orphans(bindir)
+    root = Path(tempfile.mkdtemp(prefix=PREFIX, dir=_memory_folder()))
+    (root / OWNER_FILE).write_text(str(os.getpid()))
     cluster = Cluster(root, bindir)
     try:
         if os.geteuid() == 0:
@@ -134,6 +142,19 @@ def start_cluster() -> Cluster:
         cluster.stop()
         raise
     return cluster
+
+
+def _reap_orphans(bindir: Path) -> None:
+    """Stop and delete clusters left by test runs that were killed before they could (their owner is gone)."""
+    for parent in {Path(_memory_folder() or tempfile.gettempdir()), Path(tempfile.gettempdir())}:
+        for root in parent.glob(PREFIX + "*"):
+            try:
+                owner = int((root / OWNER_FILE).read_text())
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                Cluster(root, bindir).stop()
+            except (OSError, ValueError):
+                continue  # not ours to judge (unreadable, half written, another user's)
 
 
 def _memory_folder() -> str | None:

@@ -201,3 +201,30 @@ def test_postgresql_synchronous_commit_forced_on(pg_url: str) -> None:
             assert raw.execute("SELECT reset_val FROM pg_settings WHERE name = 'synchronous_commit'").fetchone() == (
                 "off",
             )
+
+
+def test_daemons_started_together_migrate_once(pg_url: str) -> None:
+    """Four stores migrating one fresh PostgreSQL database at once all succeed: the advisory lock serialises them.
+
+    (A fleet's daemons start together; SQLite serves one daemon.)
+    """
+    stores = [Store(pg_url) for _ in range(4)]
+    start = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def migrate(store: Store) -> None:
+        start.wait()
+        try:
+            store.migrate()
+        except BaseException as exc:  # noqa: BLE001 - the test reports whatever a racer raised
+            errors.append(exc)
+
+    threads = [threading.Thread(target=migrate, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert current_revision(stores[0].engine) == "0003" and set(inspect(stores[0].engine).get_table_names()) == TABLES
+    for s in stores:
+        s.close()
