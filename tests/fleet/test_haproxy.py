@@ -8,7 +8,6 @@ missing is a failure saying what to install, never a skip.
 
 from __future__ import annotations
 
-import http.client
 import http.server
 import os
 import shutil
@@ -114,16 +113,20 @@ def _wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
 
 
 def _served_by(port: int, session_id: str | None) -> str:
-    """Which daemon answered GET /v1/realtime (with ?session_id= when given) through the proxy."""
+    """Which daemon answered GET /v1/realtime (with ?session_id= when given) through the proxy.
+
+    Reads until the proxy closes the connection, so the request is over in the
+    proxy too before the next one: bounded-load hashing counts requests in flight.
+    """
     path = "/v1/realtime" + (f"?session_id={session_id}" if session_id else "")
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        assert response.status == 200
-        return response.read().decode()
-    finally:
-        conn.close()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(f"GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := conn.recv(4096):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.split(b" ", 2)[1] == b"200", head
+    return body.decode()
 
 
 def test_config_is_valid() -> None:
@@ -144,7 +147,9 @@ def test_affinity_leastconn_and_failover(fleet: tuple[int, dict[str, StubDaemon]
     # d3's /healthz says 503: after two failed checks it is down, and only its sessions move.
     stubs["d3"].health = 503
     failed_before = len(stubs["d3"].checks)
-    _wait_for(lambda: len(stubs["d3"].checks) >= failed_before + 3, "d3 to fail two health checks")
+    # The check that arrives 4th was sent after the 3rd's answer was read: by then
+    # two checks have failed even if the first was answered before the switch.
+    _wait_for(lambda: len(stubs["d3"].checks) >= failed_before + 4, "d3 to fail two health checks")
     moved = {sid: _served_by(port, sid) for sid in SESSION_IDS}
     assert {sid: d for sid, d in moved.items() if placed[sid] != "d3"} == {
         sid: d for sid, d in placed.items() if d != "d3"
