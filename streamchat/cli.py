@@ -1,4 +1,4 @@
-"""The `streamchat` command: serve, generate, eval, chat, feed.
+"""The `streamchat` command: serve, generate, eval, chat, feed, fleet.
 
 Owns argument parsing and turning errors into one clear line and an exit
 code. Imports nothing heavy at module level, so `streamchat chat` starts fast
@@ -75,6 +75,57 @@ def _cmd_serve(args) -> int:
     return run(config, args.log_level, args.log_format)
 
 
+def _fleet_parser(sub) -> None:
+    from streamchat import settings
+
+    p = sub.add_parser("fleet", help="list the fleet's daemons, whether each is alive, the sessions each holds")
+    settings.add_flags(p, ("store", "fleet"), skip=("daemon_id", "heartbeat_s"))
+    p.add_argument("--json", action="store_true", help="one JSON array, a daemon an object (for machines)")
+    p.set_defaults(func=_cmd_fleet)
+
+
+def _cmd_fleet(args) -> int:
+    """Read the registry (never migrating or creating anything); a daemon silent for --lease-s is stale."""
+    from streamchat import settings
+    from streamchat.store import Store, StoreError
+    from streamchat.store.report import fleet_json, fleet_table
+    from streamchat.store.store import utc_now
+
+    config = settings.load(args)
+    _check_store_exists(config.store.url)
+    with Store(config.store.url) as store:
+        try:
+            _check_store_current(store)
+            states = store.daemons.fleet(stale_s=config.fleet.lease_s)
+        except StoreError as exc:
+            print(f"streamchat: error: {exc}", file=sys.stderr)
+            return 1
+    print(fleet_json(states) if args.json else fleet_table(states, utc_now()))
+    return 0
+
+
+def _check_store_exists(url: str) -> None:
+    from sqlalchemy.engine import make_url
+
+    from streamchat.store.database import is_memory_sqlite, sqlite_file
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and (is_memory_sqlite(parsed) or not sqlite_file(parsed).exists()):
+        raise ConfigError(f"no store at {url} (give the fleet's --database-url)")
+
+
+def _check_store_current(store) -> None:
+    from streamchat.store.errors import translate_errors
+    from streamchat.store.migrate import current_revision, head_revision
+
+    with translate_errors():  # a server that is down: StoreError, as for the query itself
+        have, want = current_revision(store.engine), head_revision()
+    if have != want:
+        url = store.engine.url.render_as_string(hide_password=True)
+        raise ConfigError(f"the store at {url} is at revision {have or 'none'}, not {want}: "
+                          "start a daemon of this version on it to migrate it")
+
+
 def _eval_parser(sub) -> None:
     try:
         from streamchat.evaluate import add_parser
@@ -96,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(sub)
     _generate_parser(sub)
+    _fleet_parser(sub)
     _eval_parser(sub)
     _client_parsers(sub)
     return parser

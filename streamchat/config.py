@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
+import secrets
+import socket
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -226,6 +229,36 @@ class TierConfig:
         return int(self.disk_tier_gib * (1 << 30))
 
 
+# A daemon id names a lease's owner and labels logs and metrics: letters, digits and ._:- only.
+DAEMON_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def new_daemon_id() -> str:
+    """`host-xxxxxx`: this machine's name (trimmed to what DAEMON_ID_PATTERN allows) and 24 random bits."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:48] or "daemon"
+    return f"{host}-{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """This daemon's place in a fleet: its id, how long its session leases last, how often it says it is alive."""
+
+    daemon_id: str = field(default_factory=new_daemon_id)  # default: generated anew at every start
+    lease_s: float = 15.0  # a session whose daemon stopped renewing is taken over after this long
+    heartbeat_s: float = 5.0  # registry heartbeat and lease renewal interval
+
+    def validate(self) -> None:
+        if not DAEMON_ID_PATTERN.fullmatch(self.daemon_id):
+            raise ConfigError(f"daemon_id must be 1 to 64 of A-Z a-z 0-9 . _ : -, got {self.daemon_id!r}")
+        for name in ("lease_s", "heartbeat_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.heartbeat_s > self.lease_s / 2:
+            # One late heartbeat must not cost every lease: at least two renewals per lease.
+            raise ConfigError(f"heartbeat_s ({self.heartbeat_s}) must be at most half of lease_s ({self.lease_s})")
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -234,6 +267,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     tiers: TierConfig = field(default_factory=TierConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
 
     def validate(self) -> "Config":
         self.model.validate()
@@ -241,6 +275,7 @@ class Config:
         self.scheduler.validate()
         self.server.validate()
         self.tiers.validate()
+        self.fleet.validate()
         if self.scheduler.max_tokens_per_step < self.cache.block_size:
             raise ConfigError("max_tokens_per_step must be at least one block")
         return self

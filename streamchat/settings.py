@@ -15,11 +15,11 @@ import tomllib
 import types
 import typing
 
-from streamchat.config import (CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig,
+from streamchat.config import (CacheConfig, Config, ConfigError, FleetConfig, ModelConfig, SchedulerConfig,
                                ServerConfig, StoreConfig, TierConfig)
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-            "server": ServerConfig, "store": StoreConfig, "tiers": TierConfig}
+            "server": ServerConfig, "store": StoreConfig, "tiers": TierConfig, "fleet": FleetConfig}
 ALIASES = {("model", "path"): "model", ("store", "url"): "database_url"}
 HELP = {
     "model": "model folder (Hugging Face, safetensors) or .gguf file; default: bundled SmolLM2-135M-Instruct",
@@ -54,6 +54,9 @@ HELP = {
     "session_idle_release_s": "a session with no connection for this long leaves memory (to disk / transcript)",
     "shutdown_timeout_s": "SIGTERM: end responses, save, close and exit within this many seconds",
     "checkpoint_idle_s": "a session idle this long is also saved to disk, so kill -9 loses no KV (0: off)",
+    "daemon_id": "this daemon's name in the fleet (lease owner, logs, metrics); unique among running daemons",
+    "lease_s": "a session's lease lasts this long unless renewed; another daemon takes over a dead one's after it",
+    "heartbeat_s": "how often the daemon tells the registry it is alive and renews its leases (at most lease_s / 2)",
 }
 
 
@@ -100,7 +103,11 @@ def add_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple
             many = typing.get_origin(_field_type(SECTIONS[section], f)) is tuple  # repeatable, or a, b, c
             group.add_argument("--" + flag.replace("_", "-"), dest=f"{section}.{f.name}", default=None,
                                action="append" if many else "store", metavar=flag.split("_")[-1].upper(),
-                               help=f"{HELP.get(flag, '')} (env STREAMCHAT_{flag.upper()}; default {f.default!r})")
+                               help=f"{HELP.get(flag, '')} (env STREAMCHAT_{flag.upper()}; default {_default(f)})")
+
+
+def _default(f: dataclasses.Field) -> str:
+    return "generated at start" if f.default is dataclasses.MISSING else repr(f.default)
 
 
 def load(args: argparse.Namespace | None = None, environ: typing.Mapping[str, str] | None = None) -> Config:

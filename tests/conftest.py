@@ -1,4 +1,4 @@
-"""Shared fixtures: the bundled model loaded once, and a tiny random Llama with GQA."""
+"""Shared fixtures: the bundled model loaded once, a tiny random Llama with GQA, a PostgreSQL cluster."""
 
 import os
 
@@ -26,6 +26,27 @@ def hf_bundled_fp32(bundled_fp32):
 
     model = AutoModelForCausalLM.from_pretrained(bundled_fp32.source.folder, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    """One throwaway PostgreSQL cluster for the whole run (see pgcluster.py); fails, never skips, without one."""
+    import pgcluster
+
+    try:
+        cluster = pgcluster.start_cluster()
+    except pgcluster.ClusterError as exc:
+        pytest.fail(f"cannot start the PostgreSQL test cluster: {exc}", pytrace=False)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def pg_url(pg_cluster) -> str:
+    """A SQLAlchemy URL of a fresh, empty database of its own in the test cluster, dropped afterwards."""
+    name = pg_cluster.create_database()
+    yield pg_cluster.url(name)
+    pg_cluster.drop_database(name)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,6 +9,10 @@ from the worker thread, so it is seen even if the event loop is gone by the
 time the call ends. Failures reach the awaiting caller unchanged (StoreError
 for the database's own, see `streamchat.store.errors`); a failed call does not
 hold up or reorder the calls queued behind it.
+
+`astore.leases` and `astore.daemons` are the async twins of `Store.leases`
+and `Store.daemons`, on the same worker: a lease released after a session's
+last writes is released after them.
 """
 
 from __future__ import annotations
@@ -16,16 +20,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from streamchat.store.leases import Lease, Leases
 from streamchat.store.records import ItemRecord, SessionRecord
+from streamchat.store.registry import DaemonState, Registry
 from streamchat.store.store import Store
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Call = Callable[..., Awaitable[Any]]  # AsyncStore._call: fn, *args, **kwargs -> awaitable result
 
 
 class AsyncStore:
@@ -34,6 +41,8 @@ class AsyncStore:
     def __init__(self, store: Store) -> None:
         self._store = store
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamchat-store")
+        self.leases = AsyncLeases(store.leases, self._call)
+        self.daemons = AsyncRegistry(store.daemons, self._call)
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         job = self._executor.submit(functools.partial(fn, *args, **kwargs))
@@ -69,6 +78,7 @@ class AsyncStore:
         status: str | None = None,
         total_tokens: int | None = None,
         evicted_tokens: int | None = None,
+        epoch: int | None = None,
     ) -> None:
         """See `Store.update_session`."""
         await self._call(
@@ -79,6 +89,7 @@ class AsyncStore:
             status=status,
             total_tokens=total_tokens,
             evicted_tokens=evicted_tokens,
+            epoch=epoch,
         )
 
     async def list_sessions(self, limit: int = 100) -> list[SessionRecord]:
@@ -86,14 +97,19 @@ class AsyncStore:
         return await self._call(self._store.list_sessions, limit)
 
     async def add_item(
-        self, session_id: str, item_id: str, role: str, kind: str, text: str, status: str, num_tokens: int
+        self, session_id: str, item_id: str, role: str, kind: str, text: str, status: str, num_tokens: int,
+        *, epoch: int | None = None,
     ) -> ItemRecord:
         """See `Store.add_item`."""
-        return await self._call(self._store.add_item, session_id, item_id, role, kind, text, status, num_tokens)
+        return await self._call(
+            self._store.add_item, session_id, item_id, role, kind, text, status, num_tokens, epoch=epoch
+        )
 
-    async def append_text(self, session_id: str, item_id: str, text: str, num_tokens_added: int) -> None:
+    async def append_text(
+        self, session_id: str, item_id: str, text: str, num_tokens_added: int, *, epoch: int | None = None
+    ) -> None:
         """See `Store.append_text`."""
-        await self._call(self._store.append_text, session_id, item_id, text, num_tokens_added)
+        await self._call(self._store.append_text, session_id, item_id, text, num_tokens_added, epoch=epoch)
 
     async def finish_item(
         self,
@@ -103,9 +119,12 @@ class AsyncStore:
         text: str | None = None,
         status: str,
         num_tokens: int | None = None,
+        epoch: int | None = None,
     ) -> None:
         """See `Store.finish_item`."""
-        await self._call(self._store.finish_item, session_id, item_id, text=text, status=status, num_tokens=num_tokens)
+        await self._call(
+            self._store.finish_item, session_id, item_id, text=text, status=status, num_tokens=num_tokens, epoch=epoch
+        )
 
     async def items(self, session_id: str) -> list[ItemRecord]:
         """See `Store.items`."""
@@ -119,6 +138,54 @@ class AsyncStore:
             # The close above ran last on the only worker, so this join is immediate.
             self._executor.shutdown(wait=True)
         logger.debug("async store closed")
+
+
+class AsyncLeases:
+    """Async twin of `Leases` (`astore.leases`), on the store's worker."""
+
+    def __init__(self, leases: Leases, call: Call) -> None:
+        self._leases = leases
+        self._call = call
+
+    async def acquire(self, session_id: str, owner: str, lease_s: float) -> Lease | None:
+        """See `Leases.acquire`."""
+        return await self._call(self._leases.acquire, session_id, owner, lease_s)
+
+    async def renew(self, lease: Lease) -> bool:
+        """See `Leases.renew`."""
+        return await self._call(self._leases.renew, lease)
+
+    async def release(self, lease: Lease) -> bool:
+        """See `Leases.release`."""
+        return await self._call(self._leases.release, lease)
+
+    async def get(self, session_id: str) -> Lease | None:
+        """See `Leases.get`."""
+        return await self._call(self._leases.get, session_id)
+
+
+class AsyncRegistry:
+    """Async twin of `Registry` (`astore.daemons`), on the store's worker."""
+
+    def __init__(self, registry: Registry, call: Call) -> None:
+        self._registry = registry
+        self._call = call
+
+    async def register(self, daemon_id: str, address: str) -> None:
+        """See `Registry.register`."""
+        await self._call(self._registry.register, daemon_id, address)
+
+    async def heartbeat(self, daemon_id: str) -> bool:
+        """See `Registry.heartbeat`."""
+        return await self._call(self._registry.heartbeat, daemon_id)
+
+    async def deregister(self, daemon_id: str) -> int:
+        """See `Registry.deregister`."""
+        return await self._call(self._registry.deregister, daemon_id)
+
+    async def fleet(self, stale_s: float) -> list[DaemonState]:
+        """See `Registry.fleet`."""
+        return await self._call(self._registry.fleet, stale_s)
 
 
 def _report_orphaned_failure(job: Future[Any]) -> None:

@@ -7,7 +7,14 @@ needs; NORMAL could lose the last commits on power loss) and
 `BEGIN` is emitted by SQLAlchemy instead, so reads are consistent and schema
 changes roll back with the migration that failed. A SQLite URI filename
 (`sqlite:///file:/path/x.db?mode=ro&uri=true`) names the same file as its
-plain path. Any other URL (PostgreSQL) is used as given.
+plain path.
+
+Any other URL (PostgreSQL: `postgresql+psycopg://...`) is used as given, with
+two defaults a URL may override: connections give up after
+`CONNECT_TIMEOUT_S` (a server that is down fails a call, it does not hang
+it), and a connection whose server says `synchronous_commit=off` is set back
+to `on`, the PostgreSQL twin of `synchronous=FULL`: a commit that returned is
+in the server's flushed WAL.
 """
 
 from __future__ import annotations
@@ -25,12 +32,15 @@ from sqlalchemy.pool import ConnectionPoolEntry, StaticPool
 logger = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_MS = 5000
+CONNECT_TIMEOUT_S = 10
 _SQLITE_PRAGMAS = ("PRAGMA synchronous=FULL", "PRAGMA foreign_keys=ON", f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
 
 
 def make_engine(url: str | URL) -> Engine:
     """An engine for `url`; for SQLite, the pragmas above on every connection."""
     parsed = make_url(url)
+    if parsed.get_backend_name() == "postgresql":
+        return _postgresql_engine(parsed)
     if parsed.get_backend_name() != "sqlite":
         return create_engine(parsed, pool_pre_ping=True)
     kwargs: dict[str, Any] = {}
@@ -43,6 +53,30 @@ def make_engine(url: str | URL) -> Engine:
     event.listen(engine, "connect", _on_sqlite_connect)
     event.listen(engine, "begin", _on_sqlite_begin)
     return engine
+
+
+def _postgresql_engine(url: URL) -> Engine:
+    connect_args = {} if "connect_timeout" in url.query else {"connect_timeout": CONNECT_TIMEOUT_S}
+    engine = create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+    event.listen(engine, "connect", _on_postgresql_connect)
+    return engine
+
+
+def _on_postgresql_connect(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+    # Only `off` breaks "acknowledged means committed"; `local`, `remote_write` and
+    # the rest all wait for the local flush, and a stronger setting is kept.
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SHOW synchronous_commit")
+        (mode,) = cursor.fetchone()
+        if mode == "off":
+            cursor.execute("SET synchronous_commit = on")
+            logger.info("synchronous_commit is off on this server; the store sets it on for its connections")
+    finally:
+        cursor.close()
+    # The SHOW began a transaction (psycopg is not in autocommit): commit it, which
+    # keeps the SET (a rollback would undo it) and leaves the connection idle.
+    dbapi_connection.commit()
 
 
 def is_memory_sqlite(url: URL) -> bool:

@@ -8,7 +8,14 @@
                         primary result code: BUSY, LOCKED (locked), READONLY,
                         FULL, IOERR, CANTOPEN, PROTOCOL, PERM, CORRUPT, NOTADB;
                         any connection the driver reports lost; a pool timeout;
-                        on other backends, any OperationalError
+                        on PostgreSQL (and other backends), any OperationalError
+                        (connection lost, shut down, disk full, lock timeout,
+                        deadlock, ...) and the SQLSTATEs in PG_UNAVAILABLE
+                        (a read-only transaction, corrupt data), which the
+                        driver files under other classes
+    lease_lost          a write carried a session lease's epoch, and a newer
+                        epoch exists: another daemon took the session over
+                        (raised by `streamchat.store.leases`, never mapped here)
 
 Everything else (SQL the store got wrong, a missing table, other constraint
 violations) is a programming error and is left as SQLAlchemy raised it.
@@ -30,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 ITEM_ID_IN_USE = "item_id_in_use"
 STORE_UNAVAILABLE = "store_unavailable"
-CODES = frozenset({ITEM_ID_IN_USE, STORE_UNAVAILABLE})
+LEASE_LOST = "lease_lost"
+CODES = frozenset({ITEM_ID_IN_USE, STORE_UNAVAILABLE, LEASE_LOST})
 
 # Primary SQLite result codes (the low byte of an extended code) that mean
 # "the database cannot serve this now", never "the call was wrong".
@@ -45,6 +53,14 @@ SQLITE_UNAVAILABLE = {
     14: "SQLITE_CANTOPEN",
     15: "SQLITE_PROTOCOL",
     26: "SQLITE_NOTADB",
+}
+# PostgreSQL SQLSTATEs that mean "cannot serve this now" but that psycopg does
+# not raise as OperationalError (those all count already).
+PG_UNAVAILABLE = {
+    "25006": "read_only_sql_transaction",  # a hot standby, or default_transaction_read_only
+    "25P03": "idle_in_transaction_session_timeout",  # the server closed the connection
+    "XX001": "data_corrupted",
+    "XX002": "index_corrupted",
 }
 # How the items (session_id, item_id) constraint names itself: SQLite, then
 # PostgreSQL (the name `models.NAMING_CONVENTION` gives it).
@@ -85,6 +101,8 @@ def classify(exc: DBAPIError | PoolTimeout) -> StoreError | None:
         return None
     if isinstance(exc.orig, sqlite3.Error):
         return _unavailable(exc) if _sqlite_primary_code(exc.orig) in SQLITE_UNAVAILABLE else None
+    if getattr(exc.orig, "sqlstate", None) in PG_UNAVAILABLE:
+        return _unavailable(exc)
     return _unavailable(exc) if isinstance(exc, OperationalError) else None
 
 

@@ -29,6 +29,7 @@ with _quiet_alembic():  # importing alembic logs a line per plugin it sets up
     from alembic import command
     from alembic.config import Config
     from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
 
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import URL, make_url
@@ -53,10 +54,22 @@ def alembic_config(url: str | URL) -> Config:
     return cfg
 
 
+# pg_advisory_xact_lock key serialising migrations of one PostgreSQL database
+# (the bytes of "streamchat" folded into a bigint; any constant would do).
+MIGRATION_LOCK_KEY = int.from_bytes(b"streamch", "big") >> 1
+
+
 def upgrade_to_head(engine: Engine) -> None:
-    """Run every pending migration on `engine` in one transaction."""
+    """Run every pending migration on `engine` in one transaction.
+
+    On PostgreSQL the transaction first takes an advisory lock, so daemons of a
+    fleet started together migrate one after another: the first migrates,
+    the others then find the schema at head. (SQLite's write lock does the same.)
+    """
     cfg = alembic_config(engine.url)
     with _quiet_alembic(), engine.begin() as connection:
+        if connection.dialect.name == "postgresql":
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
         # env.py uses this connection, so the engine's pragmas apply to the DDL.
         cfg.attributes["connection"] = connection
         command.upgrade(cfg, "head")
@@ -80,3 +93,11 @@ def current_revision(engine: Engine) -> str | None:
     """The revision recorded in the database, None before the first migration."""
     with _quiet_alembic(), engine.connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()
+
+
+def head_revision() -> str:
+    """The newest revision this version of the package ships."""
+    script = ScriptDirectory(script_location())
+    head = script.get_current_head()
+    assert head is not None, "the package ships no migrations"
+    return head

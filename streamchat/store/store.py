@@ -1,5 +1,13 @@
 """The durable store: sessions and their transcripts, one short transaction per call.
 
+A `Store` also carries the fleet's parts, on the same engine and clock:
+`store.leases` (`streamchat.store.leases.Leases`) and `store.daemons`
+(`streamchat.store.registry.Registry`). Every write made on behalf of a
+session (`update_session`, `add_item`, `append_text`, `finish_item`) takes an
+optional `epoch`: given, the write is fenced by the session's lease and
+refused with StoreError `lease_lost`, changing nothing, once a newer epoch
+exists; None (one daemon, no leases) writes unconditionally.
+
 Every method commits before it returns, so a caller that acknowledges a write
 after the call has acknowledged a committed (and, on SQLite, fsynced) row.
 Methods are synchronous and blocking; the event loop reaches them only
@@ -27,8 +35,10 @@ from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from streamchat.store import transaction
 from streamchat.store.database import make_engine
 from streamchat.store.errors import translate_errors
+from streamchat.store.leases import Leases, fence
 from streamchat.store.migrate import check_writable, upgrade_to_head
 from streamchat.store.models import ItemRow, SessionRow
 from streamchat.store.records import (
@@ -47,6 +57,7 @@ from streamchat.store.records import (
     check_count,
     check_word,
 )
+from streamchat.store.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +77,9 @@ class Store:
         self._engine = make_engine(url)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._clock = clock
+        dialect = self._engine.dialect.name
+        self.leases = Leases(self._sessions, dialect, clock)
+        self.daemons = Registry(self._sessions, dialect, clock)
 
     @property
     def engine(self) -> Engine:
@@ -94,18 +108,17 @@ class Store:
         self.close()
 
     @contextlib.contextmanager
-    def _write(self) -> Iterator[Session]:
-        """One transaction, committed on success and rolled back on any error, with errors translated."""
-        # translate_errors is outermost: a failed COMMIT is translated too, and
-        # only once the rollback has run, so a StoreError means "nothing changed".
-        with translate_errors(), self._sessions.begin() as db:
+    def _write(self, session_id: str | None = None, epoch: int | None = None) -> Iterator[Session]:
+        """`transaction.write`, fenced first by `epoch` when one is given for `session_id`."""
+        with transaction.write(self._sessions) as db:
+            if epoch is not None:
+                assert session_id is not None
+                fence(db, session_id, epoch)
             yield db
 
-    @contextlib.contextmanager
-    def _read(self) -> Iterator[Session]:
-        """A read-only ORM session (rolled back on close), with errors translated."""
-        with translate_errors(), self._sessions() as db:
-            yield db
+    def _read(self) -> contextlib.AbstractContextManager[Session]:
+        """`transaction.read`."""
+        return transaction.read(self._sessions)
 
     # -- sessions ---------------------------------------------------------
 
@@ -148,8 +161,9 @@ class Store:
         status: str | None = None,
         total_tokens: int | None = None,
         evicted_tokens: int | None = None,
+        epoch: int | None = None,
     ) -> None:
-        """Replace the given fields (None leaves one as is) and bump last_active_at."""
+        """Replace the given fields (None leaves one as is) and bump last_active_at; fenced by `epoch`."""
         values: dict[str, Any] = {"last_active_at": self._clock()}
         if instructions is not None:
             values["instructions"] = instructions
@@ -163,7 +177,7 @@ class Store:
                 check_count(name, count)
                 values[name] = count
         statement = update(SessionRow).where(SessionRow.id == session_id).values(**values)
-        with self._write() as db:
+        with self._write(session_id, epoch) as db:
             if db.execute(statement, execution_options=_NO_SYNC).rowcount == 0:
                 raise UnknownSession(session_id)
 
@@ -177,18 +191,20 @@ class Store:
     # -- items ------------------------------------------------------------
 
     def add_item(
-        self, session_id: str, item_id: str, role: str, kind: str, text: str, status: str, num_tokens: int
+        self, session_id: str, item_id: str, role: str, kind: str, text: str, status: str, num_tokens: int,
+        *, epoch: int | None = None,
     ) -> ItemRecord:
         """Append an item at the next seq; bumps the session's num_items and last_active_at.
 
-        StoreError (item_id_in_use) if the session already has an item with this id.
+        StoreError (item_id_in_use) if the session already has an item with this id;
+        fenced by `epoch`.
         """
         check_word("role", role, ROLES)
         check_word("kind", kind, KINDS)
         check_word("status", status, ITEM_STATUSES)
         check_count("num_tokens", num_tokens)
         now = self._clock()
-        with self._write() as db:
+        with self._write(session_id, epoch) as db:
             row = ItemRow(
                 session_id=session_id,
                 seq=_take_seq(db, session_id, now),
@@ -205,8 +221,10 @@ class Store:
             db.flush()
             return ItemRecord.from_row(row)
 
-    def append_text(self, session_id: str, item_id: str, text: str, num_tokens_added: int) -> None:
-        """Append `text` to an in-progress item in one UPDATE; ItemNotOpen once it is finished."""
+    def append_text(
+        self, session_id: str, item_id: str, text: str, num_tokens_added: int, *, epoch: int | None = None
+    ) -> None:
+        """Append `text` to an in-progress item in one UPDATE; ItemNotOpen once it is finished; fenced by `epoch`."""
         check_count("num_tokens_added", num_tokens_added)
         statement = (
             update(ItemRow)
@@ -217,7 +235,7 @@ class Store:
                 updated_at=self._clock(),
             )
         )
-        with self._write() as db:
+        with self._write(session_id, epoch) as db:
             if db.execute(statement, execution_options=_NO_SYNC).rowcount == 0:
                 _explain_miss(db, session_id, item_id)
 
@@ -229,8 +247,9 @@ class Store:
         text: str | None = None,
         status: str,
         num_tokens: int | None = None,
+        epoch: int | None = None,
     ) -> None:
-        """Give an in-progress item its final status, and optionally its final text and count."""
+        """Give an in-progress item its final status, and optionally its final text and count; fenced by `epoch`."""
         check_word("status", status, FINAL_STATUSES)
         values: dict[str, Any] = {"status": status, "updated_at": self._clock()}
         if text is not None:
@@ -243,7 +262,7 @@ class Store:
             .where(ItemRow.session_id == session_id, ItemRow.item_id == item_id, ItemRow.status == OPEN_STATUS)
             .values(**values)
         )
-        with self._write() as db:
+        with self._write(session_id, epoch) as db:
             if db.execute(statement, execution_options=_NO_SYNC).rowcount == 0:
                 _explain_miss(db, session_id, item_id)
 

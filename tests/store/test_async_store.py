@@ -1,4 +1,7 @@
-"""Tests of streamchat.store.async_store: ordering, cancellation, flushing on close, failures."""
+"""Tests of streamchat.store.async_store: ordering, cancellation, flushing on close, failures.
+
+Tests taking `url` run on SQLite and on PostgreSQL; those injecting faults use SQLite's driver errors.
+"""
 
 from __future__ import annotations
 
@@ -13,20 +16,15 @@ import pytest
 from streamchat.store import AsyncStore, Store, StoreError
 
 
-def _open(tmp_path: Path) -> tuple[str, AsyncStore]:
-    url = f"sqlite:///{tmp_path / 'store.db'}"
-    return url, AsyncStore(Store(url))
-
-
 async def _with_open_response(astore: AsyncStore) -> None:
     await astore.migrate()
     await astore.create_session("sess_a", "h", "", {})
     await astore.add_item("sess_a", "item_1", "assistant", "response", "", "in_progress", 0)
 
 
-def test_concurrent_appends_keep_order(tmp_path: Path) -> None:
+def test_concurrent_appends_keep_order(url: str) -> None:
     """200 appends issued concurrently are applied in the order they were issued."""
-    _, astore = _open(tmp_path)
+    astore = AsyncStore(Store(url))
 
     async def main() -> str:
         await _with_open_response(astore)
@@ -38,9 +36,9 @@ def test_concurrent_appends_keep_order(tmp_path: Path) -> None:
     assert asyncio.run(main()) == ("".join(f"{i}," for i in range(200)), 200)
 
 
-def test_runs_off_the_event_loop_thread(tmp_path: Path) -> None:
+def test_runs_off_the_event_loop_thread(url: str) -> None:
     """Store calls run on one worker thread, never on the event loop's thread."""
-    _, astore = _open(tmp_path)
+    astore = AsyncStore(Store(url))
     seen: list[str] = []
 
     async def main() -> None:
@@ -54,9 +52,9 @@ def test_runs_off_the_event_loop_thread(tmp_path: Path) -> None:
     assert seen[0].startswith("streamchat-store")
 
 
-def test_cancelled_caller_still_writes(tmp_path: Path) -> None:
+def test_cancelled_caller_still_writes(url: str) -> None:
     """A write whose caller is cancelled while queued is still applied, in order."""
-    url, astore = _open(tmp_path)
+    astore = AsyncStore(Store(url))
 
     async def main() -> None:
         await _with_open_response(astore)
@@ -72,9 +70,9 @@ def test_cancelled_caller_still_writes(tmp_path: Path) -> None:
         assert s.items("sess_a")[0].text == "abc"
 
 
-def test_aclose_flushes_queued_writes(tmp_path: Path) -> None:
+def test_aclose_flushes_queued_writes(url: str) -> None:
     """aclose() waits for every call already issued before closing the store."""
-    url, astore = _open(tmp_path)
+    astore = AsyncStore(Store(url))
 
     async def main() -> None:
         await _with_open_response(astore)
@@ -151,3 +149,27 @@ def test_orphaned_failure_is_logged_after_the_loop_closed(tmp_path: Path, caplog
     assert isinstance(record.exc_info[1], StoreError) and record.exc_info[1].code == "store_unavailable"
     with Store(f"sqlite:///{tmp_path / 'store.db'}") as s:
         assert s.items("sess_a")[0].text == ""
+
+
+def test_leases_and_registry_through_the_worker(url: str) -> None:
+    """astore.leases and astore.daemons reach the store in call order: a fenced write lands before the release after it."""
+    astore = AsyncStore(Store(url))
+
+    async def main() -> tuple:
+        await _with_open_response(astore)
+        await astore.daemons.register("d1", "a:1")
+        lease = await astore.leases.acquire("sess_a", "d1", 15)
+        writes = [astore.append_text("sess_a", "item_1", c, 1, epoch=lease.epoch) for c in "ab"]
+        done = await asyncio.gather(*writes, astore.leases.release(lease), astore.leases.renew(lease))
+        taken = await astore.leases.acquire("sess_a", "d2", 15)
+        with pytest.raises(StoreError) as info:
+            await astore.finish_item("sess_a", "item_1", status="completed", epoch=lease.epoch)
+        await astore.update_session("sess_a", total_tokens=2, epoch=taken.epoch)
+        await astore.add_item("sess_a", "item_2", "user", "message", "", "completed", 0, epoch=taken.epoch)
+        beat, fleet = await astore.daemons.heartbeat("d1"), await astore.daemons.fleet(15)
+        released = await astore.daemons.deregister("d1")
+        (item, _) = await astore.items("sess_a")
+        await astore.aclose()
+        return done, (taken.owner, taken.epoch), info.value.code, beat, [d.id for d in fleet], released, item.text
+
+    assert asyncio.run(main()) == ([None, None, True, False], ("d2", 2), "lease_lost", True, ["d1", "d2"], 0, "ab")

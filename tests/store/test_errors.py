@@ -5,8 +5,9 @@ from __future__ import annotations
 import sqlite3
 
 import faults
+import psycopg.errors as pg
 import pytest
-from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError, ProgrammingError
+from sqlalchemy.exc import DatabaseError, DataError, IntegrityError, InternalError, OperationalError, ProgrammingError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from streamchat.store import StoreError
@@ -47,6 +48,27 @@ def test_operational_failures_are_store_unavailable(orig, wrapper, reason) -> No
     assert (error.code, str(error)) == ("store_unavailable", f"the store is unavailable: {reason}")
 
 
+@pytest.mark.parametrize(
+    ("orig", "wrapper"),
+    [
+        (pg.DiskFull("could not extend file: No space left on device"), OperationalError),
+        (pg.LockNotAvailable("canceling statement due to lock timeout"), OperationalError),
+        (pg.DeadlockDetected("deadlock detected"), OperationalError),
+        (pg.AdminShutdown("terminating connection due to administrator command"), OperationalError),
+        (pg.CannotConnectNow("the database system is starting up"), OperationalError),
+        (pg.TooManyConnections("sorry, too many clients already"), OperationalError),
+        (pg.ReadOnlySqlTransaction("cannot execute INSERT in a read-only transaction"), InternalError),
+        (pg.IdleInTransactionSessionTimeout("terminating connection due to idle-in-transaction timeout"),
+         InternalError),
+        (pg.DataCorrupted("invalid page in block 0 of relation base/1/2"), InternalError),
+    ],
+)  # fmt: skip
+def test_postgresql_failures_are_store_unavailable(orig, wrapper) -> None:
+    """PostgreSQL's full, locked, shut down, read-only and corrupt map to store_unavailable, whatever class psycopg gives."""
+    error = classify(_wrapped(orig, wrapper))
+    assert (error.code, str(error)) == ("store_unavailable", f"the store is unavailable: {orig}")
+
+
 def test_lost_connection_and_pool_timeout_are_store_unavailable() -> None:
     """A connection the driver reports lost and a pool timeout both map to store_unavailable."""
     lost = _wrapped(_sqlite(sqlite3.ProgrammingError, "Cannot operate on a closed database.", 21),
@@ -79,6 +101,11 @@ def test_item_id_constraint_is_item_id_in_use(message: str) -> None:
         (_sqlite(sqlite3.OperationalError, 'near "SELEC": syntax error', 1), OperationalError),
         (sqlite3.OperationalError("database is locked"), OperationalError),  # no result code: not the driver's
         (RuntimeError("syntax error at or near"), ProgrammingError),
+        (pg.UndefinedTable('relation "items" does not exist'), ProgrammingError),
+        (pg.ForeignKeyViolation('insert or update on table "items" violates foreign key constraint'),
+         IntegrityError),
+        (pg.UniqueViolation('duplicate key value violates unique constraint "pk_sessions"'), IntegrityError),
+        (pg.StringDataRightTruncation("value too long for type character varying(128)"), DataError),
     ],
 )  # fmt: skip
 def test_programming_errors_stay_raw(orig, wrapper) -> None:

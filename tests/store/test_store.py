@@ -1,4 +1,7 @@
-"""Tests of streamchat.store.store and .tokens: sessions, items, durability, resume tokens, a model check."""
+"""Tests of streamchat.store.store and .tokens: sessions, items, durability, resume tokens, a model check.
+
+Every test taking `url` (or `store`) runs on SQLite and on PostgreSQL (tests/store/conftest.py).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -36,11 +38,6 @@ def ticking_clock(start: dt.datetime = T0):
     """A clock that advances one second per call, so timestamps are exact."""
     ticks = itertools.count()
     return lambda: start + dt.timedelta(seconds=next(ticks))
-
-
-@pytest.fixture
-def url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'store.db'}"
 
 
 @pytest.fixture
@@ -152,6 +149,30 @@ def test_append_text_concatenates(store: Store) -> None:
     for piece in ("llo", ", wörld", "\x00 ", "🙂"):
         store.append_text("sess_a", "item_1", piece, 1)
     assert _summary(store, "sess_a") == [(0, "item_1", "assistant", "response", "Hello, wörld\x00 🙂", 5, "in_progress")]
+
+
+def test_any_character_anywhere(store: Store) -> None:
+    """Ids, instructions and text keep NUL and U+0001 exactly; pieces appended one by one never merge into an escape."""
+    sid, iid = "sess_\x00\x01", "item_\x01\x00\x010"
+    store.create_session(sid, "h", "sys\x00\x01", {"stop": ["\x00"]})
+    store.add_item(sid, iid, "assistant", "response", "\x01", "in_progress", 1)
+    for piece in ("0", "\x00", "\x01", "\x01", "0"):
+        store.append_text(sid, iid, piece, 1)
+    record = store.get_session(sid)
+    assert (record.id, record.instructions, record.settings) == (sid, "sys\x00\x01", {"stop": ["\x00"]})
+    assert _summary(store, sid) == [(0, iid, "assistant", "response", "\x010\x00\x01\x010", 6, "in_progress")]
+    assert [r.id for r in store.list_sessions()] == [sid]
+
+
+def test_item_ids_as_long_as_the_protocol_allows(store: Store) -> None:
+    """A 256-character client item id (the protocol's limit) is stored and found; 0002 lifts PostgreSQL's 128."""
+    long_id = "i" * 255 + "\x00"
+    store.create_session("sess_a", "h", "", {})
+    store.add_item("sess_a", long_id, "user", "append", "a", "in_progress", 1)
+    store.finish_item("sess_a", long_id, status="completed")
+    assert _summary(store, "sess_a") == [(0, long_id, "user", "append", "a", 1, "completed")]
+    with pytest.raises(StoreError, match="already exists"):
+        store.add_item("sess_a", long_id, "user", "message", "", "completed", 0)
 
 
 def test_finish_item_closes_it(store: Store) -> None:

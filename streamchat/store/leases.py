@@ -1,0 +1,174 @@
+"""Session leases: at most one daemon serves a session, and a stale one cannot write.
+
+A lease row per session (`models.LeaseRow`) names its owner (a daemon id),
+an epoch and an expiry. `acquire` takes it with one compare-and-set statement
+(an INSERT ... ON CONFLICT DO UPDATE ... WHERE, the same on SQLite and
+PostgreSQL): the row is taken if there is none, if it has expired (or was
+released), or if it is already the caller's; the epoch goes up by one
+whenever the owner changes, and never goes down (a release keeps the row).
+
+Fencing: a write made on behalf of a session may carry the epoch its lease
+was taken under. `fence()` runs first in that write's transaction, as a
+conditional UPDATE of the lease row that matches only that epoch: it takes
+the row lock (PostgreSQL) or the database's write lock (SQLite) and holds it
+until the write commits, so a takeover either commits before the write (which
+then matches no row and is refused with StoreError `lease_lost`) or waits
+until the write has committed. A daemon that paused past its lease cannot
+write once another one has taken the session; one whose lease lapsed while
+nobody took it over still can, as nobody else wrote.
+
+Time is the store's clock (the daemon's own UTC clock unless a test passes
+another), read once per call: it decides only when a lease counts as
+expired. Correctness never depends on it, only on the epoch; daemons' clocks
+that disagree by a few milliseconds move a takeover by as much.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import math
+from collections.abc import Callable
+from typing import NoReturn
+
+from sqlalchemy import case, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from streamchat.store import transaction
+from streamchat.store.errors import LEASE_LOST, StoreError
+from streamchat.store.models import LeaseRow
+from streamchat.store.records import UnknownSession
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], dt.datetime]
+_NO_SYNC = {"synchronize_session": False}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lease:
+    """A session held by `owner` under `epoch` until `expires_at` (aware UTC); renewals extend it by `lease_s`."""
+
+    session_id: str
+    owner: str
+    epoch: int
+    expires_at: dt.datetime
+    lease_s: float
+
+
+class Leases:
+    """acquire, renew and release session leases; `store.leases` of a `Store`."""
+
+    def __init__(self, sessions: sessionmaker[Session], dialect: str, clock: Clock) -> None:
+        self._sessions = sessions
+        self._dialect = dialect
+        self._clock = clock
+
+    def acquire(self, session_id: str, owner: str, lease_s: float) -> Lease | None:
+        """Take the session's lease for `lease_s` seconds if it is free, expired or already `owner`'s.
+
+        None while another owner's lease runs. The epoch is kept when `owner`
+        already held the lease (even one that lapsed), else it goes up by one
+        (1 for a session never leased). UnknownSession if there is no such session.
+        """
+        _check_lease_s(lease_s)
+        now = self._clock()
+        until = now + dt.timedelta(seconds=lease_s)
+        statement = transaction.upsert(self._dialect, LeaseRow).values(
+            session_id=session_id, owner=owner, epoch=1, acquired_at=now, expires_at=until
+        )
+        same_owner = LeaseRow.owner == statement.excluded.owner
+        statement = statement.on_conflict_do_update(
+            index_elements=[LeaseRow.session_id],
+            set_={
+                "epoch": case((same_owner, LeaseRow.epoch), else_=LeaseRow.epoch + 1),
+                "acquired_at": case((same_owner, LeaseRow.acquired_at), else_=statement.excluded.acquired_at),
+                "owner": statement.excluded.owner,
+                "expires_at": statement.excluded.expires_at,
+            },
+            where=or_(same_owner, LeaseRow.expires_at <= now),
+        ).returning(LeaseRow.epoch)
+        try:
+            with transaction.write(self._sessions) as db:
+                epoch = db.execute(statement).scalar_one_or_none()
+        except IntegrityError as exc:  # the lease row's foreign key: no such session
+            raise UnknownSession(session_id) from exc
+        if epoch is None:
+            return None
+        logger.debug("lease on %s taken by %s at epoch %d", session_id, owner, epoch)
+        return Lease(session_id, owner, epoch, until, lease_s)
+
+    def renew(self, lease: Lease) -> bool:
+        """Extend a running `lease` to now + its `lease_s`; False once it has expired, been released or taken.
+
+        Renewing never revives a lease (a renewal queued behind a release must not hold
+        the session again); after False, `acquire` again: the same owner keeps its epoch
+        if nobody took the session meanwhile.
+        """
+        now = self._clock()
+        statement = (
+            update(LeaseRow)
+            .where(*_this_lease(lease), LeaseRow.expires_at > now)
+            .values(expires_at=now + dt.timedelta(seconds=lease.lease_s))
+        )
+        with transaction.write(self._sessions) as db:
+            return db.execute(statement, execution_options=_NO_SYNC).rowcount == 1
+
+    def release(self, lease: Lease) -> bool:
+        """End `lease` now, so any daemon may take the session at once; False if it was no longer held.
+
+        The row stays, with its epoch: a later owner gets the next epoch.
+        """
+        now = self._clock()
+        statement = update(LeaseRow).where(*_this_lease(lease), LeaseRow.expires_at > now).values(expires_at=now)
+        with transaction.write(self._sessions) as db:
+            released = db.execute(statement, execution_options=_NO_SYNC).rowcount == 1
+        logger.debug("lease on %s at epoch %d released: %s", lease.session_id, lease.epoch, released)
+        return released
+
+    def get(self, session_id: str) -> Lease | None:
+        """The session's lease row as it stands (expired or not), or None if it was never leased.
+
+        `lease_s` of the result is 0: only the holder knows the duration it renews by.
+        """
+        with transaction.read(self._sessions) as db:
+            row = db.get(LeaseRow, session_id)
+            return None if row is None else Lease(row.session_id, row.owner, row.epoch, row.expires_at, 0.0)
+
+
+def fence(db: Session, session_id: str, epoch: int) -> None:
+    """Refuse the write of this transaction with StoreError lease_lost unless `epoch` is the session's.
+
+    Call first in the write's transaction: the lock it takes is held to the commit.
+    """
+    # A no-op UPDATE rather than a SELECT: the lock comes first, on both backends
+    # (a SQLite read would pin a snapshot that a later write could not upgrade).
+    statement = (
+        update(LeaseRow)
+        .where(LeaseRow.session_id == session_id, LeaseRow.epoch == epoch)
+        .values(epoch=LeaseRow.epoch)
+    )
+    if db.execute(statement, execution_options=_NO_SYNC).rowcount == 0:
+        _lease_lost(db, session_id, epoch)
+
+
+def _lease_lost(db: Session, session_id: str, epoch: int) -> NoReturn:
+    row = db.execute(select(LeaseRow.owner, LeaseRow.epoch).where(LeaseRow.session_id == session_id)).one_or_none()
+    if row is None:
+        message = f"session {session_id!r} has no lease; a write carrying epoch {epoch} is refused"
+    else:
+        message = (f"session {session_id!r} is leased to {row.owner!r} at epoch {row.epoch}; "
+                   f"a write carrying epoch {epoch} is refused")
+    logger.warning("%s", message)
+    raise StoreError(LEASE_LOST, message)
+
+
+def _this_lease(lease: Lease) -> tuple:
+    return LeaseRow.session_id == lease.session_id, LeaseRow.owner == lease.owner, LeaseRow.epoch == lease.epoch
+
+
+def _check_lease_s(lease_s: float) -> None:
+    if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s < math.inf:
+        raise ValueError(f"lease_s must be a finite number > 0, not {lease_s!r}")
