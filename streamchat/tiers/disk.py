@@ -70,10 +70,12 @@ class _Job:
 
 
 class DiskTier:
-    def __init__(self, root: Path, budget_bytes: int, layout: KVLayout, clock=time.time) -> None:
+    def __init__(self, root: Path, budget_bytes: int, layout: KVLayout, *, vocab_size: int,
+                 clock=time.time) -> None:
         self.root = Path(root)
         self.budget = budget_bytes
         self.layout = layout
+        self.vocab_size = vocab_size  # token ids in a file must be below it
         self.clock = clock
         try:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -157,7 +159,7 @@ class DiskTier:
                 if mark is not ANY_MARK and job.snapshot.mark != mark:
                     raise KVFileError("stale", "the transcript changed after this copy was taken")
                 return job.snapshot
-        snap = kvfile.read(self.root / name, self.layout, session_id, mark)
+        snap = kvfile.read(self.root / name, self.layout, session_id, mark, vocab_size=self.vocab_size)
         self._touch(name)
         return snap
 
