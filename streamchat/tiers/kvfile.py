@@ -1,9 +1,10 @@
 """The saved-session file: one self-contained, checked safetensors file per session.
 
-Owns the format, writing it atomically and reading it back; the
-checks that decide whether its KV may be used are `kvread`'s. Knows nothing about pools, sessions
-or the engine: it is handed a `Snapshot` (the session's blocks copied out in
-table order, plus the state that goes with them) and hands one back.
+Owns the format, writing it atomically (mode 0600) and reading it back; the
+checks that decide whether its KV may be used are `kvread`'s. Knows nothing
+about pools, sessions or the engine: it is handed a `Snapshot` (the
+session's blocks copied out in table order, plus the state that goes with
+them) and hands one back.
 
     file  = safetensors: u64 header length | JSON header | tensor bytes
     tensors   key.{layer}, value.{layer}        (num_blocks, block_size, kv_heads, head_dim*)
@@ -175,9 +176,10 @@ def header_of(snap: Snapshot, layout: KVLayout) -> dict:
 def write_atomic(path: Path, snap: Snapshot, layout: KVLayout) -> int:
     """Write `snap` to `path` all or nothing; returns the file's size.
 
-    Temp file in the same directory, fsync, rename over `path`, fsync the
-    directory: a crash at any moment leaves the old file or the new one,
-    never a mix, plus at worst a temp file that `DiskTier` removes on start.
+    Temp file (mode 0600) in the same directory, fsync, rename over `path`,
+    fsync the directory: a crash at any moment leaves the old file or the new
+    one, never a mix, plus at worst a temp file that `DiskTier` removes on
+    start.
     """
     from safetensors.torch import save_file
 
@@ -185,6 +187,7 @@ def write_atomic(path: Path, snap: Snapshot, layout: KVLayout) -> int:
     metadata = {"streamchat": header, "checksum": checksum(header, snap.tensors)}
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TMP_SUFFIX}")
     try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # save_file keeps the mode
         save_file(snap.tensors, str(tmp), metadata=metadata)
         fd = os.open(tmp, os.O_RDONLY)
         try:

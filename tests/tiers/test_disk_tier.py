@@ -12,7 +12,7 @@ import pytest
 from tierkit import VOCAB, layout, same_bytes, snapshot
 
 from streamchat.config import ConfigError
-from streamchat.tiers import kvfile
+from streamchat.tiers import datadir, kvfile
 from streamchat.tiers.disk import DiskTier, default_data_dir, file_name
 from streamchat.tiers.kvfile import KVFileError
 
@@ -59,7 +59,7 @@ def test_saves_load_back_from_memory_then_disk(tmp_path):
     with pytest.raises(KVFileError, match="stale"):
         disk.load(SID[0], mark="other")
     disk.delete(SID[0])
-    assert disk.copy_of(SID[0]) is None and list(tmp_path.iterdir()) == []
+    assert disk.copy_of(SID[0]) is None and session_files(tmp_path) == []
     disk.close()
 
 
@@ -75,15 +75,19 @@ def test_budget_deletes_least_recently_used_files(tmp_path):
     disk.load(SID[0])  # now the most recently used
     disk.save(snapshot(lay, SID[3]))
     disk.flush()
-    names = sorted(p.name for p in (tmp_path / "kv").iterdir())
-    assert names == sorted(file_name(s) for s in (SID[0], SID[2], SID[3]))
+    assert session_files(tmp_path / "kv") == sorted(file_name(s) for s in (SID[0], SID[2], SID[3]))
     assert disk.num_deletions == 1 and disk.num_bytes <= disk.budget
     assert not disk.save(snapshot(lay, SID[4], num_tokens=240))  # alone over the budget: refused
     disk.close()
     reopened = DiskTier(tmp_path / "kv", int(size * 2.5), lay, vocab_size=VOCAB, clock=clock)  # a smaller budget
-    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == sorted(file_name(s) for s in (SID[0], SID[3]))
+    assert session_files(tmp_path / "kv") == sorted(file_name(s) for s in (SID[0], SID[3]))
     assert reopened.num_files == 2
     reopened.close()
+
+
+def session_files(folder):
+    """The names in `folder` besides the marker."""
+    return sorted(p.name for p in folder.iterdir() if p.name != datadir.MARKER)
 
 
 def _file_bytes(tmp_path, lay):
@@ -120,8 +124,8 @@ while True:
 def test_kill9_in_the_middle_of_writes_leaves_a_whole_file_or_none(tmp_path, caplog):
     """kill -9 a process while it rewrites a session file: the file is whole; the temp file is removed on start."""
     path = tmp_path / "kv" / (SID[0] + ".safetensors")
-    path.parent.mkdir()
     lay = layout()
+    DiskTier(path.parent, 1 << 30, lay, vocab_size=VOCAB).close()  # claims the new folder
     caught_mid_write = 0
     for attempt in range(20):
         child = subprocess.Popen([sys.executable, "-c", WRITER.format(tests=str(Path(__file__).parent),
