@@ -234,3 +234,10 @@ def read(path: Path, layout: KVLayout, session_id: str, mark=ANY_MARK, *, vocab_
     from streamchat.tiers import kvread
 
     return kvread.read(path, layout, session_id, mark, vocab_size=vocab_size)
+
+
+def read_header(path: Path) -> tuple[dict, dict]:
+    """(our header, the safetensors metadata) NOT checked by the checksum: for tools and tests (see kvread)."""
+    from streamchat.tiers import kvread
+
+    return kvread.read_header(path)

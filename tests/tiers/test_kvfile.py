@@ -7,7 +7,7 @@ import pytest
 import torch
 from tierkit import VOCAB, layout, refused, same_bytes, snapshot
 
-from streamchat.tiers import kvfile, kvread
+from streamchat.tiers import kvfile
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8", "int4"])
@@ -21,7 +21,7 @@ def test_round_trip_is_bit_exact_for_every_kv_dtype(tmp_path, kv_dtype):
     back = kvfile.read(path, lay, snap.session_id, mark="m1", vocab_size=VOCAB)
     assert same_bytes(back.tensors, snap.tensors)
     assert back.state == snap.state and back.mark == "m1"
-    header, meta = kvread.read_header(path)
+    header, meta = kvfile.read_header(path)
     assert header["format"] == "streamchat.kv" and header["version"] == 4
     assert header["layout"]["kv_dtype"] == kv_dtype and header["state"]["token_ids"] == snap.state.token_ids
     assert meta["checksum"].startswith("blake2b-128:")
@@ -88,7 +88,7 @@ def test_older_versions_are_refused(tmp_path, monkeypatch, old):
     with monkeypatch.context() as m:
         m.setattr(kvfile, "VERSION", old)
         kvfile.write_atomic(path, snapshot(lay), lay)
-    assert kvread.read_header(path)[0]["version"] == old
+    assert kvfile.read_header(path)[0]["version"] == old
     why, message = refused(path, lay)
     assert why == "version" and f"version {old}" in message and f"version {kvfile.VERSION}" in message
 
@@ -123,4 +123,4 @@ def test_write_is_atomic_and_fsynced(written, monkeypatch):
     assert synced[0].endswith(kvfile.TMP_SUFFIX) and synced[1] == str(path.parent)
     assert torch.equal(kvfile.read(path, lay, "sess_" + "ab" * 16, vocab_size=VOCAB).tensors["key.0"].float(),
                        snapshot(lay, seed=1).tensors["key.0"].float())
-    assert json.loads(kvread.read_header(path)[1]["streamchat"])["state"]["token_ids"][0] == 1
+    assert json.loads(kvfile.read_header(path)[1]["streamchat"])["state"]["token_ids"][0] == 1

@@ -25,7 +25,7 @@ def write_raw(path, header: dict, tensors: dict, header_json: str | None = None)
 
 def edited(path, lay, edit) -> None:
     """Rewrite `path` (a valid file) with `edit(header)` applied and a checksum that holds."""
-    header, _ = kvread.read_header(path)
+    header, _ = kvfile.read_header(path)
     tensors = kvfile.read(path, lay, SID, vocab_size=VOCAB).tensors
     edit(header)
     write_raw(path, header, tensors)
@@ -114,7 +114,7 @@ def test_the_vocabulary_bound_comes_from_the_reader(written):
 def test_tensors_must_be_exactly_the_layouts(written):
     """A missing, extra, retyped or reshaped tensor under a checksum that holds is `inconsistent`."""
     lay, path = written
-    header, _ = kvread.read_header(path)
+    header, _ = kvfile.read_header(path)
     good = kvfile.read(path, lay, SID, vocab_size=VOCAB).tensors
     cases = {"missing": {k: v for k, v in good.items() if k != "value.1"},
              "extra": {**good, "key.2": good["key.0"].clone()},
