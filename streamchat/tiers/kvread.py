@@ -5,7 +5,8 @@ KVFileError with its reason, and nothing a file can hold raises anything else:
 
     1. structure  a regular file (a link is not followed); the u64 header length
                   within bounds; the safetensors header a JSON object whose
-                  entries each have a dtype, a shape and offsets inside the file;
+                  entries each have a dtype kvfile writes, a shape and offsets
+                  inside the file;
                   its metadata a header and a checksum, both strings
                   -> missing, unreadable, truncated
     2. checksum   over the header JSON and every tensor as loaded -> checksum
@@ -37,6 +38,7 @@ from streamchat.config import EVICTIONS
 from streamchat.tiers import kvfile
 from streamchat.tiers.kvfile import ANY_MARK, KVFileError, KVLayout, SeqState, Snapshot, checksum, expected_tensors
 
+DTYPES = ("BF16", "F16", "F32", "I8", "U8", "F8_E4M3")  # safetensors' names of every dtype kvfile writes
 MAX_COUNT = 1 << 53  # counters beyond any real session (and beyond what JSON carries exactly)
 STATE_TYPES = {"token_ids": list, "num_sink_blocks": int, "pinned_tokens": int, "pristine": bool,
                "evicted_tokens": int, "total_tokens": int, "cached_tokens": int, "queried_tokens": int,
@@ -84,9 +86,9 @@ def read_frame(path: Path) -> tuple[dict, dict]:
     data_end = 0
     for name, entry in doc.items():
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and _counts(entry.get("shape"))
+        if not (isinstance(entry, dict) and entry.get("dtype") in DTYPES and _counts(entry.get("shape"))
                 and _counts(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
-            raise KVFileError("unreadable", f"tensor entry {_show(name)} is not a safetensors entry")
+            raise KVFileError("unreadable", f"tensor entry {_show(name)} is not a saved session's tensor")
         data_end = max(data_end, offsets[1])
     if size < 8 + n + data_end:
         raise KVFileError("truncated", f"{size} bytes, the header says {8 + n + data_end}")

@@ -229,3 +229,13 @@ def test_mutated_headers_under_a_good_checksum_read_back_or_are_refused(tmp_path
         tensors[name] = tensors[name].to(torch.int8 if index % 2 else torch.float32)
     write_raw(path, header, tensors)
     read_or_refuse(path)
+
+
+def test_dtypes_kvfile_writes_are_the_ones_read():
+    """Every dtype a layout can give a tensor is one the structure check lets through, and no other."""
+    from safetensors.torch import _TYPES
+
+    written = {dtype for kv in ("auto", "int8", "fp8", "int4") for md in ("torch.bfloat16", "torch.float16",
+               "torch.float32") for dtype, _ in expected_tensors(layout(kv_dtype=kv, model_dtype=md)).values()}
+    names = {name for name, dtype in _TYPES.items() if dtype in written}
+    assert names == set(kvread.DTYPES)
