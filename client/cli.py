@@ -118,12 +118,15 @@ def _run(coro: Any, verbose: bool) -> int:
 
     from .errors import ClientError
 
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    from .controls import EscapingFormatter, escape_controls
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(EscapingFormatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, handlers=[handler])
     try:
         return asyncio.run(coro)
     except ClientError as exc:
-        print(f"streamchat: {exc}", file=sys.stderr)
+        print(f"streamchat: {escape_controls(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -23,6 +23,7 @@ from typing import IO, TextIO
 
 from .chat import user_message
 from .connection import Connection, Endpoint, RetryPolicy, open_connection
+from .controls import escape_controls
 from .errors import ClientError, ConnectionLost, DaemonNotRunning, ServerError
 from .lines import LineSource
 from .render import PlainRenderer
@@ -236,7 +237,7 @@ async def _attach(config: FeedConfig, store: SessionStore,
         token = conn.resume_token or ""
         store.save(SavedSession(conn.session_id, token, config.endpoint.url,
                                 config.system or "", title="(feed)"))
-        print(conn.session_id, file=stdout, flush=True)
+        print(escape_controls(conn.session_id), file=stdout, flush=True)
         return conn, token
     saved = store.find(config.session)
     token = config.resume_token or (saved.resume_token if saved else None)

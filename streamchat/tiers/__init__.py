@@ -23,7 +23,8 @@ def build_pager(cfg, runner, cache_cfg, manager, data_dir: Path | str | None):
     host = HostTier(runner.kv_caches, num_host_blocks, cache_cfg.block_size) if num_host_blocks else None
     disk = None
     if cfg.disk_bytes and data_dir is not None:
-        disk = DiskTier(Path(data_dir), cfg.disk_bytes, KVLayout.of(runner, cache_cfg))
+        disk = DiskTier(Path(data_dir), cfg.disk_bytes, KVLayout.of(runner, cache_cfg),
+                        vocab_size=runner.model.shape.vocab_size)
     if host is None and disk is None:
         return None
     return Pager(manager, runner.kv_caches, host, disk)

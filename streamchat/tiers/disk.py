@@ -1,15 +1,17 @@
 """The disk tier: one file per saved session in a data directory, within a byte budget.
 
-Owns the directory: file names (never taken from client input unchecked),
-the index of what is there (size, last use, and for copies written by this
-process the session version they hold), deleting the least recently used
-files beyond the budget, removing half-written temp files on start, and the
-two background threads: one writes, one reads. Saving hands a snapshot to
-the writer and returns at once; until it is on disk, `load` serves it from
-memory. `load_async` reads and checks a file on the reader thread and hands
-the result to a callback, so the engine's step loop never waits on a disk.
-The file format is `kvfile`'s. Thread-safe: the engine's loop saves and asks
-for loads, the reader thread loads, the writer thread writes.
+Owns the directory, claimed at start as `datadir` says (only the daemon's
+own files in it are ever indexed, counted or deleted): file names (never
+taken from client input unchecked), the index of what is there (size, last
+use, and for copies written by this process the session version they hold),
+deleting the least recently used files beyond the budget, removing
+half-written temp files on start, and two background threads: one writes,
+one reads. Saving hands a snapshot to the writer and returns at once; until
+it is on disk, `load` serves it from memory. `load_async` reads and checks a
+file on the reader thread and hands the result to a callback, so the
+engine's step loop never waits on a disk. The file format is `kvfile`'s.
+Thread-safe: the engine's loop saves and asks for loads, the reader thread
+loads, the writer thread writes.
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamchat.config import ConfigError
-from streamchat.tiers import kvfile
+from streamchat.tiers import datadir, kvfile
 from streamchat.tiers.kvfile import ANY_MARK, KVFileError, KVLayout, Snapshot
 
 log = logging.getLogger(__name__)
@@ -75,24 +76,20 @@ class _Job:
 
 
 class DiskTier:
-    def __init__(self, root: Path, budget_bytes: int, layout: KVLayout, clock=time.time) -> None:
+    def __init__(self, root: Path, budget_bytes: int, layout: KVLayout, *, vocab_size: int,
+                 clock=time.time) -> None:
         self.root = Path(root)
         self.budget = budget_bytes
         self.layout = layout
+        self.vocab_size = vocab_size  # token ids in a file must be below it
         self.clock = clock
-        try:
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-            probe = self.root / f".probe{kvfile.TMP_SUFFIX}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise ConfigError(f"data_dir {self.root} is not a writable directory: {exc.strerror}") from None
+        for warning in datadir.claim(self.root):  # ConfigError: not a folder the daemon may use
+            log.warning(warning)
         self._lock = threading.Condition()
         self._files: OrderedDict[str, Copy] = OrderedDict()  # least recently used first
         self._pending: dict[str, _Job] = {}  # name -> the newest snapshot not yet written
         self._queue: list[str] = []
         self.num_writes = self.num_written_bytes = self.num_write_failures = self.num_deletions = 0
-        self._remove_temp_files()
         self._scan()
         with self._lock:
             self._enforce_budget(keep=None)
@@ -189,8 +186,9 @@ class DiskTier:
                 if job.snapshot is not None:
                     return job.snapshot
         if job is not None:  # a re-stamp on its way: the file holds the same KV under the older mark
-            return dataclasses.replace(kvfile.read(self.root / name, self.layout, session_id), mark=job.copy.mark)
-        snap = kvfile.read(self.root / name, self.layout, session_id, mark)
+            return dataclasses.replace(kvfile.read(self.root / name, self.layout, session_id,
+                                                   vocab_size=self.vocab_size), mark=job.copy.mark)
+        snap = kvfile.read(self.root / name, self.layout, session_id, mark, vocab_size=self.vocab_size)
         self._touch(name)
         return snap
 
@@ -258,7 +256,8 @@ class DiskTier:
         try:
             snap = job.snapshot
             if snap is None:  # a re-stamp: the same KV under a newer mark
-                snap = dataclasses.replace(kvfile.read(self.root / name, self.layout, job.session_id),
+                snap = dataclasses.replace(kvfile.read(self.root / name, self.layout, job.session_id,
+                                                       vocab_size=self.vocab_size),
                                            mark=job.copy.mark)
             size = kvfile.write_atomic(self.root / name, snap, self.layout)
         except Exception as exc:  # a full disk, a permission: the session is rebuilt from tokens
@@ -310,24 +309,32 @@ class DiskTier:
             self.num_deletions += 1
             log.info("disk tier over its budget: deleted %s (least recently used)", name)
 
-    def _remove_temp_files(self) -> None:
-        for p in self.root.glob("." + "*" + kvfile.TMP_SUFFIX):
-            log.warning("removing half-written session file %s (a write was cut short)", p.name)
-            p.unlink(missing_ok=True)
-
     def _scan(self) -> None:
-        found = []
-        for p in self.root.glob("*" + kvfile.SUFFIX):
-            try:
-                st = p.stat()
-            except OSError:
-                continue
-            found.append((st.st_mtime, p.name, st.st_size))
+        """Index the session files, remove half-written temp files, leave anything else alone."""
+        found, others = [], []
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if datadir.is_own_file(entry):
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    found.append((st.st_mtime, entry.name, st.st_size))
+                elif datadir.is_own_temp(entry):
+                    log.warning("removing half-written session file %s (a write was cut short)", entry.name)
+                    Path(entry.path).unlink(missing_ok=True)
+                elif entry.name != datadir.MARKER:
+                    others.append(entry.name)
         for mtime, name, size in sorted(found):
             self._files[name] = Copy(size, mtime)
         if found:
             log.info("disk tier %s: %d saved sessions, %.1f MiB", self.root, len(found),
                      sum(f[2] for f in found) / (1 << 20))
+        if others:
+            others.sort()
+            log.warning("disk tier %s: %d entries are not streamchat session files and are left alone "
+                        "(never read, counted or deleted): %s%s", self.root, len(others), ", ".join(others[:5]),
+                        " ..." if len(others) > 5 else "")
 
 
 def _set_mtime(path: Path, when: float) -> None:

@@ -1,9 +1,10 @@
 """The saved-session file: one self-contained, checked safetensors file per session.
 
-Owns the format, writing it atomically and reading it back with every check
-that decides whether its KV may be used. Knows nothing about pools, sessions
-or the engine: it is handed a `Snapshot` (the session's blocks copied out in
-table order, plus the state that goes with them) and hands one back.
+Owns the format, writing it atomically (mode 0600) and reading it back; the
+checks that decide whether its KV may be used are `kvread`'s. Knows nothing
+about pools, sessions or the engine: it is handed a `Snapshot` (the
+session's blocks copied out in table order, plus the state that goes with
+them) and hands one back.
 
     file  = safetensors: u64 header length | JSON header | tensor bytes
     tensors   key.{layer}, value.{layer}        (num_blocks, block_size, kv_heads, head_dim*)
@@ -175,9 +176,10 @@ def header_of(snap: Snapshot, layout: KVLayout) -> dict:
 def write_atomic(path: Path, snap: Snapshot, layout: KVLayout) -> int:
     """Write `snap` to `path` all or nothing; returns the file's size.
 
-    Temp file in the same directory, fsync, rename over `path`, fsync the
-    directory: a crash at any moment leaves the old file or the new one,
-    never a mix, plus at worst a temp file that `DiskTier` removes on start.
+    Temp file (mode 0600) in the same directory, fsync, rename over `path`,
+    fsync the directory: a crash at any moment leaves the old file or the new
+    one, never a mix, plus at worst a temp file that `DiskTier` removes on
+    start.
     """
     from safetensors.torch import save_file
 
@@ -185,6 +187,7 @@ def write_atomic(path: Path, snap: Snapshot, layout: KVLayout) -> int:
     metadata = {"streamchat": header, "checksum": checksum(header, snap.tensors)}
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TMP_SUFFIX}")
     try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # save_file keeps the mode
         save_file(snap.tensors, str(tmp), metadata=metadata)
         fd = os.open(tmp, os.O_RDONLY)
         try:
@@ -222,109 +225,19 @@ def checksum(header_json: str, tensors: dict[str, torch.Tensor]) -> str:
 ANY_MARK = object()  # read(): accept whatever transcript mark the file has
 
 
-def read_header(path: Path) -> tuple[dict, dict]:
-    """(our header, the raw safetensors metadata), checking the file is whole.
+def read(path: Path, layout: KVLayout, session_id: str, mark=ANY_MARK, *, vocab_size: int) -> Snapshot:
+    """The snapshot in `path`, or KVFileError saying why it must not be used.
 
-    Reads only the safetensors header, so a foreign or stale file is refused
-    without reading its tensors.
+    Nothing in the file is trusted before its checksum holds; then every
+    field is checked (token ids below `vocab_size`); see `kvread`.
     """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise KVFileError("truncated", f"{size} bytes: no safetensors header")
-            n = int.from_bytes(raw, "little")
-            if n > MAX_HEADER_BYTES:
-                raise KVFileError("unreadable", f"header length {n} is not plausible")
-            blob = f.read(n)
-    except FileNotFoundError:
-        raise KVFileError("missing", f"no file {path.name}") from None
-    except OSError as exc:
-        raise KVFileError("unreadable", f"{path.name}: {exc.strerror}") from None
-    if len(blob) < n:
-        raise KVFileError("truncated", f"{size} bytes, header alone needs {8 + n}")
-    try:
-        doc = json.loads(blob)
-        meta = doc.pop("__metadata__")
-        data_end = max((int(v["data_offsets"][1]) for v in doc.values()), default=0)
-        header = json.loads(meta["streamchat"])
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
-        raise KVFileError("unreadable", f"header is not a streamchat safetensors header ({exc})") from None
-    if size < 8 + n + data_end:
-        raise KVFileError("truncated", f"{size} bytes, the header says {8 + n + data_end}")
-    if not isinstance(header, dict):
-        raise KVFileError("unreadable", "header is not a JSON object")
-    return header, meta
+    from streamchat.tiers import kvread
+
+    return kvread.read(path, layout, session_id, mark, vocab_size=vocab_size)
 
 
-def check_header(header: dict, layout: KVLayout, session_id: str, mark=ANY_MARK) -> SeqState:
-    """The state the header describes, if the file fits this daemon and this transcript."""
-    if header.get("format") != FORMAT or header.get("version") != VERSION:
-        raise KVFileError("version", f"format {header.get('format')!r} version {header.get('version')!r}, "
-                                     f"this daemon reads {FORMAT!r} version {VERSION}")
-    if header.get("session_id") != session_id:
-        raise KVFileError("foreign", f"written for session {header.get('session_id')!r}")
-    ours = dataclasses.asdict(layout)
-    theirs = header.get("layout") or {}
-    for key, value in ours.items():
-        if theirs.get(key) != value:
-            raise KVFileError("foreign", f"{key} is {theirs.get(key)!r} in the file, {value!r} here")
-    if mark is not ANY_MARK and header.get("transcript_mark") != mark:
-        raise KVFileError("stale", "the transcript changed after the file was written"
-                          if header.get("transcript_mark") else "written without a transcript mark")
-    try:
-        state = SeqState(**header["state"])
-    except (KeyError, TypeError) as exc:
-        raise KVFileError("unreadable", f"bad state in header ({exc})") from None
-    _check_state(state, layout)
-    return state
+def read_header(path: Path) -> tuple[dict, dict]:
+    """(our header, the safetensors metadata) NOT checked by the checksum: for tools and tests (see kvread)."""
+    from streamchat.tiers import kvread
 
-
-def _check_state(state: SeqState, layout: KVLayout) -> None:
-    bs = layout.block_size
-    tokens = state.token_ids
-    kinds = {"pristine": bool, "eviction": str}
-    for f in dataclasses.fields(state):
-        value = getattr(state, f.name)
-        if f.name not in ("token_ids", "block_scores") and type(value) is not kinds.get(f.name, int):
-            raise KVFileError("inconsistent", f"{f.name} is {value!r}")
-    scores = state.block_scores
-    if not (isinstance(scores, list) and len(scores) in (0, state.num_blocks(bs))
-            and all(type(x) in (int, float) for x in scores)):
-        raise KVFileError("inconsistent", "block_scores is not one number per block")
-    if not (isinstance(tokens, list) and tokens and all(isinstance(t, int) and t >= 0 for t in tokens)):
-        raise KVFileError("inconsistent", "token_ids is not a non-empty list of token ids")
-    sink_blocks = -(-max(layout.sink_tokens, state.pinned_tokens) // bs)
-    window_cap = -(-layout.window_tokens // bs) * bs
-    if state.num_sink_blocks != sink_blocks:
-        raise KVFileError("inconsistent", f"{state.num_sink_blocks} sink blocks, the settings give {sink_blocks}")
-    if len(tokens) > sink_blocks * bs + window_cap:
-        raise KVFileError("inconsistent", f"{len(tokens)} tokens do not fit sinks + window")
-    if state.evicted_tokens < 0 or (state.evicted_tokens and state.pristine):
-        raise KVFileError("inconsistent", f"evicted_tokens {state.evicted_tokens} with pristine {state.pristine}")
-
-
-def read(path: Path, layout: KVLayout, session_id: str, mark=ANY_MARK) -> Snapshot:
-    """The snapshot in `path`, or KVFileError saying why it must not be used."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    header, meta = read_header(path)
-    state = check_header(header, layout, session_id, mark)
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise KVFileError("unreadable", f"tensors: {exc}") from None
-    if checksum(meta["streamchat"], tensors) != meta.get("checksum"):
-        raise KVFileError("checksum", "contents do not match the checksum")
-    expect = expected_tensors(layout)
-    if set(tensors) != set(expect):
-        raise KVFileError("inconsistent", f"tensors {sorted(set(tensors) ^ set(expect))[:4]} do not fit the layout")
-    num_blocks = state.num_blocks(layout.block_size)
-    for name, (dtype, tail) in expect.items():
-        t = tensors[name]
-        if t.dtype != dtype or tuple(t.shape) != (num_blocks, *tail):
-            raise KVFileError("inconsistent", f"{name} is {t.dtype} {tuple(t.shape)}, "
-                                              f"expected {dtype} {(num_blocks, *tail)}")
-    return Snapshot(session_id, state, tensors, header.get("transcript_mark"))
+    return kvread.read_header(path)

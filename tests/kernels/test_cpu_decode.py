@@ -105,12 +105,3 @@ def test_auto_backend_on_cpu_is_the_kernel_and_torch_stays_the_reference():
     assert isinstance(torch_backend, TorchBackend) and not isinstance(torch_backend, CpuBackend)
     with pytest.raises(ValueError, match="needs a CPU device"):
         make_backend("cpu", torch.device("meta"))
-
-
-def test_the_build_is_cached_by_source_and_machine(tmp_path, monkeypatch):
-    """A fresh cache directory builds the library once; the second build finds it."""
-    monkeypatch.setenv("STREAMCHAT_KERNEL_CACHE", str(tmp_path))
-    first = cpu._build("cc")
-    assert first.parent == tmp_path and first.exists()
-    mtime = first.stat().st_mtime_ns
-    assert cpu._build("cc") == first and first.stat().st_mtime_ns == mtime

@@ -81,7 +81,8 @@ def test_sigterm_restart_resume_continues_exactly_as_without_restart(tmp_path):
     assert 'streamchat_tier_sessions{tier="device"} 2.0' in urllib.request.urlopen(a.http + "/metrics").read().decode()
     a.kill(signal.SIGTERM)
     assert a.proc.returncode == 0 and "saved 2 of 2 sessions" in rest_of_log(a)
-    assert sorted(p.name for p in (tmp_path / "s.kv").iterdir()) == sorted(f"{i}.safetensors" for i in (sid, yid))
+    assert sorted(p.name for p in (tmp_path / "s.kv").iterdir()) == sorted(
+        [".streamchat-data-dir", *(f"{i}.safetensors" for i in (sid, yid))])
     b = Daemon(db, *TIER_ARGS, "--checkpoint-idle-s", "0").start()
     try:
         async def after():

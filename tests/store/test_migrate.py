@@ -5,6 +5,9 @@ Tests taking `url` or `store` run on SQLite and on PostgreSQL (tests/store/conft
 
 from __future__ import annotations
 
+import logging
+import os
+import stat
 import threading
 from pathlib import Path
 
@@ -100,6 +103,28 @@ def test_creates_parent_directory(tmp_path: Path) -> None:
     with Store(f"sqlite:///{path}") as s:
         s.migrate()
     assert path.is_file()
+
+
+def test_the_database_and_its_wal_and_shm_are_private(tmp_path: Path) -> None:
+    """A new SQLite file is 0600, and so are the -wal and -shm files SQLite makes beside it; a new folder 0700."""
+    path = tmp_path / "new" / "store.db"
+    with Store(f"sqlite:///{path}") as s:
+        s.migrate()
+        s.create_session("sess_a", "h", "", {})
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in path.parent.iterdir()}
+    assert modes == {"store.db": 0o600, "store.db-wal": 0o600, "store.db-shm": 0o600}
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+
+def test_an_existing_database_others_may_read_is_warned_about(tmp_path: Path, caplog) -> None:
+    """A database file made elsewhere with mode 0644 is used as it is, with a warning saying what to do."""
+    path = tmp_path / "store.db"
+    path.touch(mode=0o644)
+    os.chmod(path, 0o644)
+    with caplog.at_level(logging.WARNING, logger="streamchat.store.database"), Store(f"sqlite:///{path}") as s:
+        s.migrate()
+    assert f"the database {path} has mode 644: others may read the transcripts; chmod 600 {path}" in caplog.text
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
 
 
 def test_sqlite_pragmas(sqlite_store: Store) -> None:

@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-from tierkit import layout, same_bytes, snapshot
+from tierkit import VOCAB, layout, same_bytes, snapshot
 
 from streamchat.config import ConfigError
-from streamchat.tiers import kvfile
+from streamchat.tiers import datadir, kvfile
 from streamchat.tiers.disk import DiskTier, default_data_dir, file_name
 from streamchat.tiers.kvfile import KVFileError
 
@@ -49,7 +49,7 @@ def test_default_data_dir_sits_next_to_the_sqlite_file(monkeypatch, tmp_path):
 def test_saves_load_back_from_memory_then_disk(tmp_path):
     """A queued snapshot loads at once; once flushed it is a file that loads bit for bit."""
     lay = layout()
-    disk = DiskTier(tmp_path, 1 << 30, lay)
+    disk = DiskTier(tmp_path, 1 << 30, lay, vocab_size=VOCAB)
     snap = snapshot(lay, SID[0])
     assert disk.save(snap, version=3)
     assert disk.load(SID[0]) is snap or same_bytes(disk.load(SID[0]).tensors, snap.tensors)
@@ -59,7 +59,7 @@ def test_saves_load_back_from_memory_then_disk(tmp_path):
     with pytest.raises(KVFileError, match="stale"):
         disk.load(SID[0], mark="other")
     disk.delete(SID[0])
-    assert disk.copy_of(SID[0]) is None and list(tmp_path.iterdir()) == []
+    assert disk.copy_of(SID[0]) is None and session_files(tmp_path) == []
     disk.close()
 
 
@@ -68,22 +68,26 @@ def test_budget_deletes_least_recently_used_files(tmp_path):
     lay = layout()
     clock = Clock()
     size = len(_file_bytes(tmp_path, lay))
-    disk = DiskTier(tmp_path / "kv", int(size * 3.5), lay, clock=clock)
+    disk = DiskTier(tmp_path / "kv", int(size * 3.5), lay, vocab_size=VOCAB, clock=clock)
     for sid in SID[:3]:
         disk.save(snapshot(lay, sid))
         disk.flush()
     disk.load(SID[0])  # now the most recently used
     disk.save(snapshot(lay, SID[3]))
     disk.flush()
-    names = sorted(p.name for p in (tmp_path / "kv").iterdir())
-    assert names == sorted(file_name(s) for s in (SID[0], SID[2], SID[3]))
+    assert session_files(tmp_path / "kv") == sorted(file_name(s) for s in (SID[0], SID[2], SID[3]))
     assert disk.num_deletions == 1 and disk.num_bytes <= disk.budget
     assert not disk.save(snapshot(lay, SID[4], num_tokens=240))  # alone over the budget: refused
     disk.close()
-    reopened = DiskTier(tmp_path / "kv", int(size * 2.5), lay, clock=clock)  # a smaller budget on start
-    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == sorted(file_name(s) for s in (SID[0], SID[3]))
+    reopened = DiskTier(tmp_path / "kv", int(size * 2.5), lay, vocab_size=VOCAB, clock=clock)  # a smaller budget
+    assert session_files(tmp_path / "kv") == sorted(file_name(s) for s in (SID[0], SID[3]))
     assert reopened.num_files == 2
     reopened.close()
+
+
+def session_files(folder):
+    """The names in `folder` besides the marker."""
+    return sorted(p.name for p in folder.iterdir() if p.name != datadir.MARKER)
 
 
 def _file_bytes(tmp_path, lay):
@@ -98,7 +102,7 @@ def test_unwritable_data_dir_is_a_config_error(tmp_path):
     """A data directory that cannot be written is refused at start with a clear error."""
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="data_dir"):
-        DiskTier(tmp_path / "file" / "kv", 1 << 30, layout())
+        DiskTier(tmp_path / "file" / "kv", 1 << 30, layout(), vocab_size=VOCAB)
 
 
 WRITER = """
@@ -120,8 +124,8 @@ while True:
 def test_kill9_in_the_middle_of_writes_leaves_a_whole_file_or_none(tmp_path, caplog):
     """kill -9 a process while it rewrites a session file: the file is whole; the temp file is removed on start."""
     path = tmp_path / "kv" / (SID[0] + ".safetensors")
-    path.parent.mkdir()
     lay = layout()
+    DiskTier(path.parent, 1 << 30, lay, vocab_size=VOCAB).close()  # claims the new folder
     caught_mid_write = 0
     for attempt in range(20):
         child = subprocess.Popen([sys.executable, "-c", WRITER.format(tests=str(Path(__file__).parent),
@@ -137,11 +141,11 @@ def test_kill9_in_the_middle_of_writes_leaves_a_whole_file_or_none(tmp_path, cap
         temps = list(path.parent.glob("*.tmp"))
         caught_mid_write += bool(temps)
         if path.exists():
-            snap = kvfile.read(path, lay, SID[0])  # whole, whatever moment the kill came
+            snap = kvfile.read(path, lay, SID[0], vocab_size=VOCAB)  # whole, whatever moment the kill came
             assert snap.state.token_ids in ([(7 * i) % 1000 for i in range(60)],
                                             [(7 * i + 1) % 1000 for i in range(60)])
         with caplog.at_level(logging.WARNING, logger="streamchat.tiers.disk"):
-            DiskTier(path.parent, 1 << 30, lay).close()
+            DiskTier(path.parent, 1 << 30, lay, vocab_size=VOCAB).close()
         assert not list(path.parent.glob("*.tmp"))
         if temps:
             assert "half-written" in caplog.text

@@ -5,10 +5,9 @@ import os
 
 import pytest
 import torch
-from tierkit import layout, same_bytes, snapshot
+from tierkit import VOCAB, layout, refused, same_bytes, snapshot
 
 from streamchat.tiers import kvfile
-from streamchat.tiers.kvfile import ANY_MARK, KVFileError
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8", "int4"])
@@ -19,7 +18,7 @@ def test_round_trip_is_bit_exact_for_every_kv_dtype(tmp_path, kv_dtype):
     path = tmp_path / "s.safetensors"
     size = kvfile.write_atomic(path, snap, lay)
     assert size == path.stat().st_size
-    back = kvfile.read(path, lay, snap.session_id, mark="m1")
+    back = kvfile.read(path, lay, snap.session_id, mark="m1", vocab_size=VOCAB)
     assert same_bytes(back.tensors, snap.tensors)
     assert back.state == snap.state and back.mark == "m1"
     header, meta = kvfile.read_header(path)
@@ -29,32 +28,18 @@ def test_round_trip_is_bit_exact_for_every_kv_dtype(tmp_path, kv_dtype):
     assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]
 
 
-def reason(path, lay, session_id="sess_" + "ab" * 16, mark=ANY_MARK):
-    with pytest.raises(KVFileError) as err:
-        kvfile.read(path, lay, session_id, mark)
-    return err.value.reason, str(err.value)
-
-
-@pytest.fixture
-def written(tmp_path):
-    lay = layout()
-    path = tmp_path / "s.safetensors"
-    kvfile.write_atomic(path, snapshot(lay), lay)
-    return lay, path
-
-
 def test_corrupt_tensor_bytes_and_header_fail_the_checksum(written):
     """One flipped byte in the tensors, or an edited header field, is a checksum failure."""
     lay, path = written
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x01
     path.write_bytes(bytes(data))
-    assert reason(path, lay)[0] == "checksum"
+    assert refused(path, lay)[0] == "checksum"
     data[-100] ^= 0x01
     edited = bytes(data).replace(b'\\"total_tokens\\":72', b'\\"total_tokens\\":73')
     assert edited != bytes(data)
     path.write_bytes(edited)
-    assert reason(path, lay)[0] == "checksum"
+    assert refused(path, lay)[0] == "checksum"
 
 
 @pytest.mark.parametrize("keep", [0, 5, 8, 200, -1, -4096])
@@ -63,15 +48,15 @@ def test_truncated_files_are_refused(written, keep):
     lay, path = written
     data = path.read_bytes()
     path.write_bytes(data[:keep] if keep >= 0 else data[:len(data) + keep])
-    assert reason(path, lay)[0] == "truncated"
+    assert refused(path, lay)[0] == "truncated"
 
 
 def test_garbage_and_missing_files_are_refused(written, tmp_path):
     """A file that is not ours is `unreadable`; no file is `missing`."""
     lay, path = written
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00" + b"not json at all!" + b"x" * 64)
-    assert reason(path, lay)[0] == "unreadable"
-    assert reason(tmp_path / "nothing.safetensors", lay)[0] == "missing"
+    assert refused(path, lay)[0] == "unreadable"
+    assert refused(tmp_path / "nothing.safetensors", lay)[0] == "missing"
 
 
 @pytest.mark.parametrize("field,value", [
@@ -80,18 +65,18 @@ def test_garbage_and_missing_files_are_refused(written, tmp_path):
 def test_foreign_files_are_refused_naming_what_differs(written, field, value):
     """A file from another model, dtype, KV dtype, block size or sink/window setting is `foreign`."""
     _, path = written
-    why, message = reason(path, layout(**{field: value}))
+    why, message = refused(path, layout(**{field: value}))
     assert why == "foreign" and field in message
 
 
 def test_other_session_version_and_stale_mark_are_refused(written, monkeypatch):
     """Another session's file is `foreign`; another format version `version`; another transcript `stale`."""
     lay, path = written
-    assert reason(path, lay, session_id="sess_" + "cd" * 16)[0] == "foreign"
-    assert reason(path, lay, mark="m2")[0] == "stale"
-    assert kvfile.read(path, lay, "sess_" + "ab" * 16, mark="m1").mark == "m1"
+    assert refused(path, lay, session_id="sess_" + "cd" * 16)[0] == "foreign"
+    assert refused(path, lay, mark="m2")[0] == "stale"
+    assert kvfile.read(path, lay, "sess_" + "ab" * 16, mark="m1", vocab_size=VOCAB).mark == "m1"
     monkeypatch.setattr(kvfile, "VERSION", kvfile.VERSION + 1)
-    assert reason(path, lay)[0] == "version"
+    assert refused(path, lay)[0] == "version"
 
 
 @pytest.mark.parametrize("old", [1, 2, 3])
@@ -104,7 +89,7 @@ def test_older_versions_are_refused(tmp_path, monkeypatch, old):
         m.setattr(kvfile, "VERSION", old)
         kvfile.write_atomic(path, snapshot(lay), lay)
     assert kvfile.read_header(path)[0]["version"] == old
-    why, message = reason(path, lay)
+    why, message = refused(path, lay)
     assert why == "version" and f"version {old}" in message and f"version {kvfile.VERSION}" in message
 
 
@@ -115,7 +100,7 @@ def test_tensors_that_do_not_fit_the_state_are_inconsistent(tmp_path):
     snap.state.token_ids = snap.state.token_ids[:10]  # 1 block of tokens, 3 blocks of tensors
     path = tmp_path / "s.safetensors"
     kvfile.write_atomic(path, snap, lay)
-    assert reason(path, lay)[0] == "inconsistent"
+    assert refused(path, lay)[0] == "inconsistent"
 
 
 def test_write_is_atomic_and_fsynced(written, monkeypatch):
@@ -136,6 +121,6 @@ def test_write_is_atomic_and_fsynced(written, monkeypatch):
     monkeypatch.setattr(kvfile.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
     kvfile.write_atomic(path, snapshot(lay, seed=1), lay)
     assert synced[0].endswith(kvfile.TMP_SUFFIX) and synced[1] == str(path.parent)
-    assert torch.equal(kvfile.read(path, lay, "sess_" + "ab" * 16).tensors["key.0"].float(),
+    assert torch.equal(kvfile.read(path, lay, "sess_" + "ab" * 16, vocab_size=VOCAB).tensors["key.0"].float(),
                        snapshot(lay, seed=1).tensors["key.0"].float())
     assert json.loads(kvfile.read_header(path)[1]["streamchat"])["state"]["token_ids"][0] == 1

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from tierkit import layout, snapshot
+from tierkit import VOCAB, layout, snapshot
 
 from streamchat.cache.block_pool import BlockPool
 from streamchat.cache.manager import KVCacheManager
@@ -24,7 +24,7 @@ def make_pager(tmp_path, num_blocks=12, host_blocks=4, disk=True):
     caches = [LayerKV(torch.randn(num_blocks, 16, 3, 32, generator=gen).bfloat16(),
                       torch.randn(num_blocks, 16, 3, 32, generator=gen).bfloat16()) for _ in range(2)]
     host = HostTier(caches, host_blocks, 16) if host_blocks else None
-    return Pager(manager, caches, host, DiskTier(tmp_path, 1 << 30, lay) if disk else None)
+    return Pager(manager, caches, host, DiskTier(tmp_path, 1 << 30, lay, vocab_size=VOCAB) if disk else None)
 
 
 def session(pager, sid, num_tokens, first=0):

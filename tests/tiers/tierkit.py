@@ -1,8 +1,13 @@
 """Small layouts and snapshots for the tier tests (no model needed)."""
 
+import pytest
 import torch
 
-from streamchat.tiers.kvfile import KVLayout, SeqState, Snapshot, expected_tensors
+from streamchat.tiers import kvfile
+from streamchat.tiers.kvfile import ANY_MARK, KVFileError, KVLayout, SeqState, Snapshot, expected_tensors
+
+VOCAB = 1000  # the snapshots' token ids are below it
+SID = "sess_" + "ab" * 16  # snapshot()'s session
 
 
 def layout(**changes) -> KVLayout:
@@ -18,7 +23,7 @@ def random_tensor(dtype, shape, gen):
     return torch.randint(0, 120, shape, generator=gen).to(dtype)
 
 
-def snapshot(lay: KVLayout, session_id="sess_" + "ab" * 16, num_tokens=40, seed=0, mark="m1") -> Snapshot:
+def snapshot(lay: KVLayout, session_id=SID, num_tokens=40, seed=0, mark="m1") -> Snapshot:
     gen = torch.Generator().manual_seed(seed)
     state = SeqState(token_ids=[(7 * i + seed) % 1000 for i in range(num_tokens)], num_sink_blocks=1,
                      pinned_tokens=0, pristine=False, evicted_tokens=32, total_tokens=num_tokens + 32)
@@ -32,3 +37,10 @@ def same_bytes(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
         a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
         and torch.equal(a[k].contiguous().view(torch.uint8), b[k].contiguous().view(torch.uint8)) for k in a)
+
+
+def refused(path, lay, session_id=SID, mark=ANY_MARK, vocab_size=VOCAB) -> tuple[str, str]:
+    """(reason, message) of the KVFileError reading `path` raises."""
+    with pytest.raises(KVFileError) as err:
+        kvfile.read(path, lay, session_id, mark, vocab_size=vocab_size)
+    return err.value.reason, str(err.value)
