@@ -1,5 +1,6 @@
 """MLA attention over the paged latent: the torch reference against dense attention written out here,
-the Triton decode kernel (TRITON_INTERPRET=1 on CPU) against the reference, and the latent write."""
+the Triton decode kernel (TRITON_INTERPRET=1 on CPU) and the C kernel against the reference, and the
+latent write."""
 
 import os
 
@@ -8,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from streamchat.kernels import mla_reference, quant  # noqa: E402
+from streamchat.kernels import cpu, cpu_mla, mla_reference, quant  # noqa: E402
 from streamchat.kernels.mla_decode import paged_mla_decode  # noqa: E402
 
 STORAGE = {"auto": torch.float32, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -172,3 +173,24 @@ def test_triton_decode_equals_the_reference(shape, block_size, kv_dtype, num_spl
                            num_splits=num_splits)
     assert got.shape == (len(lens), heads, c_dim) and not got.isnan().any()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,block_size", [(torch.float32, 16), (torch.float32, 64), (torch.float32, 8),
+                                              (torch.bfloat16, 16)])
+def test_cpu_kernel_equals_the_reference(dtype, block_size):
+    """The C MLA decode (cpu_mla.c) equals the reference, attention mass per block included, over
+    sequences of one token up to several runs of 256 (V2-Lite's 16 heads x (512 + 64)). The kernel
+    must build: a machine without a C compiler fails here rather than skipping."""
+    assert cpu.library() is not None, "the CPU kernels did not build (see the streamchat.kernels log)"
+    heads, c_dim, r_dim = V2_LITE
+    pool = LatentPool([1, block_size + 3, 300, 600], c_dim, r_dim, block_size, seed=4)
+    cache = pool.clean()[0].to(dtype)
+    q = queries(4, heads, c_dim + r_dim, seed=5).to(dtype)
+    assert cpu_mla.supports(cache, None, heads, r_dim)
+    masses = [torch.zeros(4, pool.tables.shape[1] + 2) for _ in range(2)]
+    want = mla_reference.paged_mla_decode(q, cache, pool.tables, pool.seq_lens, pool.cos, pool.sin, 0.05, None,
+                                          masses[0])
+    got = cpu_mla.paged_mla_decode(q, cache, pool.tables, pool.seq_lens, pool.cos, pool.sin, 0.05, masses[1])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the reference rounds its products to bf16
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(masses[1], masses[0], atol=tol, rtol=tol)
