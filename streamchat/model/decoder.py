@@ -16,6 +16,8 @@ from streamchat.model.norm import rms_norm
 
 
 class DecoderModel:
+    captures_graphs = True  # a decode step may be captured as a CUDA graph (no host sync inside forward)
+
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (num_positions, rotary dims) in float32, grown on demand."""
         return self.rope.get(num_positions)

@@ -54,6 +54,8 @@ class DeepseekLayer:
 class DeepseekModel(DecoderModel):
     """Weights and the step function. `forward` is pure apart from the latents it writes."""
 
+    captures_graphs = False  # MoE routing reads the chosen experts on the host: a sync no graph can hold
+
     def __init__(self, config, state: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, backend, linears: LinearBuilder | None = None) -> None:
         """`linears` makes the projections, the experts and the head (default: dense, as `state` holds them)."""

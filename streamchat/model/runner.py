@@ -166,7 +166,8 @@ class ModelRunner:
         self.bytes_per_token = kv_spec.bytes_per_token(self.kv_specs)
         self.num_blocks = num_blocks_for(cache, self.bytes_per_token, self.model.device)
         self.kv_caches = [spec.allocate(self.num_blocks, self.model.device) for spec in self.kv_specs]
-        graphs = cuda_graphs and self.model.device.type == "cuda" and self.model.backend.name == "triton"
+        graphs = (cuda_graphs and self.model.device.type == "cuda" and self.model.backend.name == "triton"
+                  and self.model.captures_graphs)
         self.static = StaticDecode(self.model, self.kv_caches, self.block_size, max_batch,
                                    cache.max_blocks_per_session(), graphs)
 

@@ -1,6 +1,8 @@
 """Tests of every cache feature on MLA sessions: position-free latent blocks under sinks + window, h2o,
 prefix sharing, quantized latents, host and disk tiers with exact resume, and the stats' bytes."""
 
+import math
+
 import pytest
 import torch
 from deepseek_kit import feed, hf_model, one_thread, ours, save_folder  # noqa: F401 (one_thread: autouse)
@@ -9,9 +11,11 @@ from streamchat.cache.block_pool import BlockPool
 from streamchat.cache.manager import KVCacheManager
 from streamchat.config import CacheConfig, Config, ModelConfig, SchedulerConfig, TierConfig
 from streamchat.kernels import quant
+from streamchat.evaluate import evaluate, read_text, tokenize
+from streamchat.evaluate_policies import EvalSpec
 from streamchat.llm import LLM
 from streamchat.model.loader import resolve
-from streamchat.model.runner import ModelRunner
+from streamchat.model.runner import ModelRunner, load_model
 
 V2_LATENT_BYTES = {"auto": 576 * 4, "int8": 576 + 2 * 4, "fp8": 576 + 2 * 4, "int4": 288 + 18 * 2 * 2}
 V3_LATENT_BYTES = {"auto": 96 * 4, "int8": 96 + 2 * 4}  # the V3-style test model: kv_lora_rank 64, rope 32
@@ -148,3 +152,16 @@ def test_quantized_latents_are_the_float_latents_quantized(kv_dtype):
     assert torch.equal(stored.view(torch.uint8), want.view(torch.uint8)) and torch.equal(scales, want_scales)
     err = (logits[kv_dtype] - logits["auto"]).abs().mean() / logits["auto"].std()
     assert 0 < err < {"int8": 0.03, "fp8": 0.1, "int4": 0.25}[kv_dtype], err
+
+
+def test_streamchat_eval_scores_an_mla_folder(folder):
+    """`streamchat eval`'s evaluation on the MLA model: full, sink + window and h2o, float and int8
+    latents, every token scored; evicting policies score differently from full once past the window."""
+    loaded = load_model(ModelConfig(path=str(folder), dtype="float32", num_threads=1))
+    ids = tokenize(loaded.tokenizer, read_text(None), 96)
+    spec = EvalSpec(sink_tokens=4, window_tokens=32, block_size=16, h2o_recent_tokens=0)
+    results = list(evaluate(loaded, ids, spec, ["full", "sink", "h2o"], ["auto", "int8"]))
+    assert [(r.kv_dtype, r.policy) for r in results] == [(kv, p) for kv in ("auto", "int8")
+                                                        for p in ("full", "sink", "h2o")]
+    assert all(r.tokens == 95 and math.isfinite(r.nll) for r in results)
+    assert results[0].nll != results[1].nll and results[0].nll != results[3].nll
