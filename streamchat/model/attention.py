@@ -12,6 +12,11 @@ A step that wants attention mass (h2o eviction) carries a `block_mass`
 accumulator in its plan, (chunks, max_blocks) float32: every layer's
 attention adds its probabilities per block into it (decode rows first).
 The torch and cpu backends fill it; the Triton backend refuses such a step.
+
+Two kinds of pool, by their layer's KV spec: keys and values per KV head
+(`LayerKV`: `write`, `decode`, `prefill`) and MLA's latent rows (`LatentKV`:
+`write_latent`, `decode_latent`, `prefill_latent`, on a plan made for one KV
+head over the rotary dims); `attend` picks by the pool's type.
 """
 
 from __future__ import annotations

@@ -143,8 +143,3 @@ class MLAAttentionSpec(KVSpec):
 def bytes_per_token(specs) -> int:
     """Pool bytes one token takes across all layers."""
     return sum(s.bytes_per_token for s in specs)
-
-
-def tensor_names(kv) -> list[str]:
-    """A pool's tensor names in field order, its unused (None) fields left out."""
-    return [name for name, t in zip(kv._fields, kv) if t is not None]

@@ -81,6 +81,10 @@ def _from_folder(folder: Path) -> ModelSource:
         raise ModelLoadError(f"{folder} has no config.json: not a Hugging Face model folder")
     config = json.loads(config_file.read_text())
     registry.check(config.get("model_type"), folder)  # before any weight is read
+    quantized = (config.get("quantization_config") or {}).get("quant_method")
+    if quantized:  # e.g. DeepSeek-V3's fp8 blocks with their scale tensors: weights this runner does not read
+        raise ModelLoadError(f"{folder} holds {quantized}-quantized weights, which this runner does not read; "
+                             f"serve a dequantized (bf16 or float32) copy")
     if not list(folder.glob("*.safetensors")):
         raise ModelLoadError(f"{folder} has no .safetensors weights")
     digest = hashlib.sha256(config_file.read_bytes())

@@ -12,10 +12,9 @@ import importlib
 
 from streamchat.config import ConfigError
 
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 ARCHITECTURES = {
-    "llama": "streamchat.model.llama:LlamaModel",
-    "mistral": "streamchat.model.llama:LlamaModel",
-    "qwen2": "streamchat.model.llama:LlamaModel",
+    **dict.fromkeys(LLAMA_FAMILY, "streamchat.model.llama:LlamaModel"),
     "deepseek_v2": "streamchat.model.deepseek:DeepseekModel",
     "deepseek_v3": "streamchat.model.deepseek:DeepseekModel",
 }

@@ -101,6 +101,8 @@ def _gguf_raw(source: ModelSource, hf_config, weights: str, device: torch.device
     dense_groups = device.type == "cpu" and dtype == torch.float32 and cpu.library() is not None
     if source.gguf is None or not (weights in ("int4", "auto") or dense_groups):
         return None
+    if hf_config.model_type not in registry.LLAMA_FAMILY:  # gguf_raw knows the Llama family's tensor names only
+        return None
     from streamchat.model.gguf_raw import linear_weights
 
     return linear_weights(source.gguf, source.folder, hf_config, GGUF_GROUPS)

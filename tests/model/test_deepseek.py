@@ -11,7 +11,7 @@ from streamchat.cache.manager import KVCacheManager
 from streamchat.config import CacheConfig, Config, ModelConfig
 from streamchat.llm import LLM
 from streamchat.model import registry
-from streamchat.model.loader import resolve
+from streamchat.model.loader import ModelLoadError, resolve
 from streamchat.model.moe import Router
 from streamchat.model.runner import ModelRunner
 
@@ -105,3 +105,12 @@ def test_group_limited_greedy_routes_as_transformers():
     order_t, order_o = their_e.sort(-1), our_e.sort(-1)
     assert torch.equal(order_t.values, order_o.values)
     torch.testing.assert_close(our_w.gather(1, order_o.indices), their_w.detach().gather(1, order_t.indices))
+
+
+def test_quantized_checkpoints_are_refused_before_loading(tmp_path):
+    """A folder of quantized weights (DeepSeek-V3 ships fp8 blocks with scale tensors) is refused, named."""
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3", "quantization_config": '
+                                          '{"quant_method": "fp8", "weight_block_size": [128, 128]}}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="holds fp8-quantized weights, which this runner does not read"):
+        resolve(str(tmp_path))
