@@ -76,6 +76,25 @@ def deinterleave(w: torch.Tensor, start: int, rope_dim: int, period: int) -> tor
     return w[index.reshape(-1).to(w.device)]
 
 
+def to_rotate_half(w: dict[str, torch.Tensor], prefix: str, s: MLAShape) -> None:
+    """Put the rows that make q_r and k_r (q_proj or q_b_proj; kv_a_proj_with_mqa and its bias) in
+    (evens, odds) order, in `w`."""
+    q_name = prefix + ("q_b_proj" if s.q_lora_rank else "q_proj") + ".weight"
+    w[q_name] = deinterleave(w[q_name], s.qk_nope_head_dim, s.qk_rope_head_dim, s.qk_nope_head_dim + s.qk_rope_head_dim)
+    for name in (prefix + "kv_a_proj_with_mqa.weight", prefix + "kv_a_proj_with_mqa.bias"):
+        if name in w:
+            w[name] = deinterleave(w[name], s.kv_lora_rank, s.qk_rope_head_dim, w[name].shape[0])
+
+
+def fused_bias(w: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
+    """The biases of projections fused along out_features (zeros for one without), or None if none has one."""
+    biases = [w.get(n + ".bias") for n in names]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([w[n + ".weight"].new_zeros(w[n + ".weight"].shape[0]) if b is None else b
+                      for n, b in zip(names, biases)])
+
+
 class MLA:
     """One layer's latent attention: `__call__(x, kv, plan)` writes the tokens' latents and returns
     the layer's output (T, hidden)."""
@@ -86,26 +105,12 @@ class MLA:
         s = self.shape = shape
         self.backend, self.scale = backend, scale
         self.rope_gain = rope_factor * rope_factor  # transformers' factor on cos and sin, on q_r alone
-        q_name = prefix + ("q_a_proj" if s.q_lora_rank else "q_proj")
-        kv_name = prefix + "kv_a_proj_with_mqa"
-        q_w, kv_w = w[q_name + ".weight"], w[kv_name + ".weight"]
-        q_b, kv_b = w.get(q_name + ".bias"), w.get(kv_name + ".bias")
-        qk = s.qk_nope_head_dim + s.qk_rope_head_dim
         if interleaved:
-            kv_w = deinterleave(kv_w, s.kv_lora_rank, s.qk_rope_head_dim, kv_w.shape[0])
-            kv_b = None if kv_b is None else deinterleave(kv_b, s.kv_lora_rank, s.qk_rope_head_dim, kv_b.shape[0])
-            if s.q_lora_rank:
-                w[prefix + "q_b_proj.weight"] = deinterleave(w[prefix + "q_b_proj.weight"], s.qk_nope_head_dim,
-                                                             s.qk_rope_head_dim, qk)
-            else:
-                q_w = deinterleave(q_w, s.qk_nope_head_dim, s.qk_rope_head_dim, qk)
-        w[q_name + ".weight"], w[kv_name + ".weight"] = q_w, kv_w
-        bias = None
-        if q_b is not None or kv_b is not None:  # attention_bias: q_a_proj and kv_a have one, q_proj never
-            bias = torch.cat((torch.zeros(q_w.shape[0], dtype=kv_w.dtype, device=kv_w.device) if q_b is None else q_b,
-                              kv_b))
+            to_rotate_half(w, prefix, s)
         # hidden -> [q (or q_a) | c_raw | k_r]: one product for both projections of x
-        self.qkv_a = make.layer(w, [q_name + ".weight", kv_name + ".weight"], bias)
+        first = [prefix + ("q_a_proj" if s.q_lora_rank else "q_proj"), prefix + "kv_a_proj_with_mqa"]
+        self.qkv_a = make.layer(w, [n + ".weight" for n in first], fused_bias(w, first))
+        self.q_width = w[first[0] + ".weight"].shape[0]
         self.q_a_norm = w.get(prefix + "q_a_layernorm.weight")
         self.q_b: Linear | None = make.layer(w, [prefix + "q_b_proj.weight"]) if s.q_lora_rank else None
         self.kv_a_norm = w[prefix + "kv_a_layernorm.weight"]
@@ -113,7 +118,6 @@ class MLA:
         self.w_uk = up[:, :s.qk_nope_head_dim].contiguous()  # (H, Dn, C)
         self.w_uv_t = up[:, s.qk_nope_head_dim:].transpose(1, 2).contiguous()  # (H, C, Dv)
         self.o = make.layer(w, [prefix + "o_proj.weight"])
-        self.q_width = q_w.shape[0]
 
     def __call__(self, x: torch.Tensor, kv: LatentKV, plan: StepPlan) -> torch.Tensor:
         s = self.shape

@@ -42,14 +42,17 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def hf_model(kind: str, seed: int = 0, vocab: int = VOCAB):
-    """transformers' DeepseekV2/V3ForCausalLM of random weights (std 0.1: attention far from uniform)."""
+def hf_model(kind: str, seed: int = 0, vocab: int = VOCAB, **changes):
+    """transformers' DeepseekV2/V3ForCausalLM of random weights (std 0.1: attention far from uniform);
+    `changes` override the shape's config entries."""
     torch.manual_seed(seed)
     if kind == "v2":
-        config = DeepseekV2Config(vocab_size=vocab, initializer_range=0.1, tie_word_embeddings=False, **V2_LITE)
+        config = DeepseekV2Config(vocab_size=vocab, initializer_range=0.1, tie_word_embeddings=False,
+                                  **{**V2_LITE, **changes})
         model = DeepseekV2ForCausalLM(config)
     else:
-        config = DeepseekV3Config(vocab_size=vocab, initializer_range=0.1, tie_word_embeddings=False, **V3_STYLE)
+        config = DeepseekV3Config(vocab_size=vocab, initializer_range=0.1, tie_word_embeddings=False,
+                                  **{**V3_STYLE, **changes})
         model = DeepseekV3ForCausalLM(config)
         with torch.no_grad():  # the correction bias starts at zero; give the routing something to correct
             for layer in model.model.layers[config.first_k_dense_replace:]:

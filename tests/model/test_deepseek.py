@@ -43,6 +43,23 @@ def test_logits_match_transformers(pair, chunk):
     torch.testing.assert_close(run_logits(loaded, ids, chunk), ref, atol=1e-4, rtol=0)
 
 
+def test_biases_and_plain_rope_match_transformers():
+    """A V3-style model with attention biases (q_a_proj, kv_a_proj_with_mqa), rotate-half rope
+    (rope_interleave off) and no YaRN: logits within 1e-4, prefill and decode."""
+    hf = hf_model("v3", vocab=300, attention_bias=True, rope_interleave=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    with torch.no_grad():
+        for layer in hf.model.layers:  # biases start at zero: make them count
+            for proj in (layer.self_attn.q_a_proj, layer.self_attn.kv_a_proj_with_mqa):
+                proj.bias.normal_(0, 0.5)
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    loaded = ours(hf)
+    for chunk in (40, 1):
+        torch.testing.assert_close(run_logits(loaded, ids, chunk), ref, atol=1e-4, rtol=0)
+
+
 def test_greedy_tokens_equal_transformers_generate(pair):
     """A 20-token prompt, then 24 greedy tokens by prefill + absorbed decode: transformers' own."""
     hf, loaded = pair
