@@ -21,7 +21,7 @@ def supports(latent_cache: torch.Tensor, latent_scale: torch.Tensor | None, num_
     width = latent_cache.shape[-1]
     return (latent_scale is None and latent_cache.device.type == "cpu" and latent_cache.dtype in cpu.DTYPES
             and latent_cache.is_contiguous() and num_heads <= MAX_HEADS and width <= MAX_WIDTH
-            and rope_dim <= MAX_ROPE and (width - rope_dim) % 8 == 0 and rope_dim % 8 == 0
+            and rope_dim <= MAX_ROPE and (width - rope_dim) % 16 == 0 and rope_dim % 8 == 0
             and latent_cache.shape[1] <= cpu.RUN_TOKENS and cpu.library() is not None)
 
 

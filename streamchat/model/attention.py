@@ -234,8 +234,8 @@ class CpuBackend(TorchBackend):
                                 partial, stats)
 
     def decode_latent(self, q: torch.Tensor, kv: LatentKV, plan: StepPlan, scale: float) -> torch.Tensor:
-        """MLA decode by the C kernel (cpu_mla.c: about twice the reference's speed at 1 and 16 sessions,
-        bench/mla.py); quantized latents by the reference."""
+        """MLA decode by the C kernel (cpu_mla.c: 1.7 to 2.3 times the reference's speed at 1 and 16
+        sessions of 512 and 2048 tokens, `bench/mla.py --part kernels`); quantized latents by the reference."""
         d = plan.decode
         if not cpu_mla.supports(kv.latent, kv.latent_scale, q.shape[1], d.cos.shape[1]):
             return super().decode_latent(q, kv, plan, scale)

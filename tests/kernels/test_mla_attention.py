@@ -175,14 +175,15 @@ def test_triton_decode_equals_the_reference(shape, block_size, kv_dtype, num_spl
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype,block_size", [(torch.float32, 16), (torch.float32, 64), (torch.float32, 8),
-                                              (torch.bfloat16, 16)])
-def test_cpu_kernel_equals_the_reference(dtype, block_size):
+@pytest.mark.parametrize("dtype,block_size,shape", [(torch.float32, 16, V2_LITE), (torch.float32, 64, V2_LITE),
+                                                    (torch.float32, 8, (6, 64, 32)), (torch.bfloat16, 16, V2_LITE)])
+def test_cpu_kernel_equals_the_reference(dtype, block_size, shape):
     """The C MLA decode (cpu_mla.c) equals the reference, attention mass per block included, over
-    sequences of one token up to several runs of 256 (V2-Lite's 16 heads x (512 + 64)). The kernel
-    must build: a machine without a C compiler fails here rather than skipping."""
+    sequences of one token up to several runs of 256 (V2-Lite's 16 heads x (512 + 64); 6 heads, which
+    its groups of four do not divide). The kernel must build: a machine without a C compiler fails here
+    rather than skipping."""
     assert cpu.library() is not None, "the CPU kernels did not build (see the streamchat.kernels log)"
-    heads, c_dim, r_dim = V2_LITE
+    heads, c_dim, r_dim = shape
     pool = LatentPool([1, block_size + 3, 300, 600], c_dim, r_dim, block_size, seed=4)
     cache = pool.clean()[0].to(dtype)
     q = queries(4, heads, c_dim + r_dim, seed=5).to(dtype)
