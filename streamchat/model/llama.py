@@ -72,8 +72,13 @@ class LlamaModel(DecoderModel):
         make = linears or LinearBuilder("bf16")
         self.lm_head = make.head(w, "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight")
         self.layers = [self._layer(w, i, make) for i in range(self.shape.num_layers)]
-        self.rope = RopeTables(*inv_freq(config, self.shape.head_dim), device)
-        self.scale = self.shape.head_dim ** -0.5
+        inv, factor = inv_freq(config, self.shape.head_dim)
+        # transformers puts the rope's attention factor (YaRN's; 1 for the other types here) on both cos
+        # and sin, so a score carries it squared. Pure rotations keep the keys' stored rotation and the
+        # prefill's rotation by block start composable (with the factor in the tables a prefill score took it
+        # cubed); the softmax scale takes the square instead.
+        self.rope = RopeTables(inv, 1.0, device)
+        self.scale = self.shape.head_dim ** -0.5 * factor * factor
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int, make: LinearBuilder) -> LayerWeights:
