@@ -195,3 +195,26 @@ def test_cpu_kernel_equals_the_reference(dtype, block_size, shape):
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the reference rounds its products to bf16
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(masses[1], masses[0], atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="full sizes need a CUDA GPU and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_triton_decode_full_size(dtype):
+    """V2-Lite's decode (16 heads x (512 + 64), FlashMLA's blocks of 64) over 16 sessions of 900 to 4,000
+    tokens, compiled: the reference's result (bf16 within its rounding)."""
+    lens = [900 + 200 * i for i in range(16)]
+    nb = [-(-n // 64) for n in lens]
+    ids = torch.randperm(sum(nb) + 8)[:sum(nb)] + 1
+    tables = torch.zeros(16, max(nb), dtype=torch.int32)
+    for b, start in enumerate([sum(nb[:b]) for b in range(16)]):
+        tables[b, :nb[b]] = ids[start:start + nb[b]]
+    cache = torch.randn(sum(nb) + 9, 64, 576, device="cuda").to(dtype)
+    q = torch.randn(16, 16, 576, device="cuda").to(dtype)
+    cos, sin = (t.cuda() for t in rope(max(lens) + 64, 64))
+    tables, seq_lens = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    got = paged_mla_decode(q, cache, tables, seq_lens, cos, sin, 192 ** -0.5)
+    want = mla_reference.paged_mla_decode(q.float(), cache.float(), tables, seq_lens, cos, sin, 192 ** -0.5)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
