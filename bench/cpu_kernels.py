@@ -40,8 +40,10 @@ HEAD = (49152, 576)
 
 
 def load(source: Path, cache: Path):
-    """The kernel library built from `source` (a cpu_decode.c) into its own cache folder."""
-    cpu._tried, cpu._lib, cpu.cpu_build.SOURCE = False, None, source
+    """The kernel library built from `source` (a cpu_decode.c, beside this checkout's other sources) into its
+    own cache folder."""
+    build = cpu.cpu_build
+    cpu._tried, cpu._lib, build.SOURCES = False, None, [source, *build.SOURCES[1:]]
     os.environ["STREAMCHAT_KERNEL_CACHE"] = str(cache)
     lib = cpu.library()
     if lib is None:
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default="/tmp/streamchat-bench-kernels", help="where each version is built")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    sources = [cpu.cpu_build.SOURCE] + [Path(a).resolve() for a in args.against]
+    sources = [cpu.cpu_build.SOURCES[0]] + [Path(a).resolve() for a in args.against]
     names = ["this"] + [Path(a).stem for a in args.against]
     libs = [load(src, Path(args.cache) / f"v{i}") for i, src in enumerate(sources)]
     print(f"{args.threads} threads; versions: " + ", ".join(f"{n} = {s}" for n, s in zip(names, sources)))

@@ -234,13 +234,16 @@ def jit_counts(kernels: dict) -> dict[str, int]:
 
 def copies_and_sampling(device, figures: dict) -> None:
     """Part 4: host-tier copies round-trip; sampling on the device."""
-    from streamchat.model.attention import LayerKV
+    from streamchat.model.kv_spec import FullAttentionSpec
     from streamchat.model.sampling import SamplingParams, make_generator, sample
     from streamchat.tiers.host import HostTier, copy_blocks
 
-    pools = [LayerKV(torch.randn(9, 16, 2, 32, device=device), torch.randn(9, 16, 2, 32, device=device))]
+    spec = FullAttentionSpec(16, 2, 32, torch.float32)
+    pools = [spec.allocate(9, device)]
+    for t in pools[0]:
+        t.normal_()
     before = [t.clone() for t in pools[0] if t is not None]
-    host = HostTier(pools, 8, 16)
+    host = HostTier([spec], 8, device)
     copy_blocks(pools, [3, 5, 7], host.caches, [1, 2, 3], host.stream)
     pools[0].key.zero_()
     pools[0].value.zero_()

@@ -1,7 +1,8 @@
-"""The CPU decode kernels (cpu_decode.c): built once per machine with the system's C compiler, called by ctypes.
+"""The CPU decode kernels (cpu_decode.c, cpu_mla.c): built once per machine with the system's C compiler into
+one library, called by ctypes.
 
-Two functions: paged decode attention, and the skinny products (a decode step's few rows times a
-weight matrix).
+Paged decode attention (keys and values per KV head; and MLA's latent rows, cpu_mla.c), the skinny
+products (a decode step's few rows times a weight matrix), RMSNorm and the KV write.
 
 Why C and not torch: the reference gathers each sequence's whole context
 into a workspace per layer before multiplying (reference.py `decode`), and
@@ -88,6 +89,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rms_norm.restype = None
     lib.write_kv.argtypes = [p, p, p, p, i, p, p, p, i, i, i, i]
     lib.write_kv.restype = None
+    lib.mla_decode.argtypes = [p, p, i, p, i64, p, p, p, p, p, i64, p, p, i, i, i, i, i, i, i, ctypes.c_float]
+    lib.mla_decode.restype = i
 
 
 SKINNY_MAX_ROWS = 32  # up to here `skinny_linear` measured faster than MKL's sgemm (1.0-5.8x; see cpu_decode.c)
@@ -222,6 +225,28 @@ def scratch_sizes(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: in
     return num_seqs * runs * num_heads * (head_dim + 2), num_seqs * num_kv_heads * group * max_blocks * 2
 
 
+def check_step(block_tables: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """A decode kernel's step inputs: contiguous int32 tables and lengths, float32 rope tables."""
+    for name, t, dtype in (("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
+                           ("cos", cos, torch.float32), ("sin", sin, torch.float32)):
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {dtype}, got {t.dtype}")
+
+
+def mass_scratch(block_mass: torch.Tensor | None, max_blocks: int, stats: torch.Tensor | None,
+                 n_stats: int) -> tuple[int | None, int, torch.Tensor | None]:
+    """(block_mass pointer, its row stride, stats) for a decode kernel; (None, 0, None) without mass.
+    `stats` becomes float32 scratch of at least n_stats floats (allocated when None or smaller): the
+    caller holds it while the kernel runs."""
+    if block_mass is None:
+        return None, 0, None
+    if block_mass.dtype != torch.float32 or block_mass.stride(1) != 1 or block_mass.shape[1] < max_blocks:
+        raise ValueError("block_mass must be float32 (B, >= max_blocks) with unit inner stride")
+    if stats is None or stats.numel() < n_stats:
+        stats = torch.empty(n_stats, dtype=torch.float32)
+    return block_mass.data_ptr(), block_mass.stride(0), stats
+
+
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  scale: float, block_mass: torch.Tensor | None = None,
@@ -238,10 +263,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     max_blocks = block_tables.shape[1]
-    for name, t, dtype in (("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
-                           ("cos", cos, torch.float32), ("sin", sin, torch.float32)):
-        if t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous {dtype}, got {t.dtype}")
+    check_step(block_tables, seq_lens, cos, sin)
     if not supports(key_cache, None, head_dim) or value_cache.dtype != key_cache.dtype:
         raise ValueError(f"the CPU decode kernel reads contiguous float pools, not {key_cache.dtype}")
     qf = q.to(torch.float32).contiguous()
@@ -249,13 +271,8 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     n_partial, n_stats = scratch_sizes(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks, block_size)
     if partial is None or partial.numel() < n_partial:
         partial = torch.empty(n_partial, dtype=torch.float32)
-    mass_ptr, mass_stride, stats_ptr = None, 0, None
-    if block_mass is not None:
-        if block_mass.dtype != torch.float32 or block_mass.stride(1) != 1 or block_mass.shape[1] < max_blocks:
-            raise ValueError("block_mass must be float32 (B, >= max_blocks) with unit inner stride")
-        if stats is None or stats.numel() < n_stats:
-            stats = torch.empty(n_stats, dtype=torch.float32)
-        mass_ptr, mass_stride, stats_ptr = block_mass.data_ptr(), block_mass.stride(0), stats.data_ptr()
+    mass_ptr, mass_stride, stats = mass_scratch(block_mass, max_blocks, stats, n_stats)
+    stats_ptr = None if stats is None else stats.data_ptr()
     rc = lib.paged_decode(qf.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), DTYPES[key_cache.dtype],
                           block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), cos.data_ptr(),
                           sin.data_ptr(), out.data_ptr(), mass_ptr, mass_stride, partial.data_ptr(), stats_ptr,

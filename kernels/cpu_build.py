@@ -1,4 +1,4 @@
-"""Building the CPU decode kernel (cpu_decode.c) once per machine, into a cache only this user can change.
+"""Building the CPU kernels (cpu_decode.c, cpu_mla.c) once per machine, into a cache only this user can change.
 
 Build: `$CC` (default `cc`) with -O3 -march=native -fopenmp into
 `$STREAMCHAT_KERNEL_CACHE` (default ~/.cache/streamchat/kernels, made 0700),
@@ -27,7 +27,8 @@ from streamchat import private_files
 
 log = logging.getLogger("streamchat.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_mla.c")]
+HEADERS = [Path(__file__).with_name("cpu_common.h")]  # included by the sources: part of the build's key
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
@@ -54,12 +55,14 @@ class UntrustedCache(Exception):
 
 def _key(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    return hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags(),
+    texts = [f.read_text() for f in SOURCES + HEADERS]
+    return hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, _cpu_flags(),
                                       platform.machine()]).encode()).hexdigest()[:16]
 
 
 def _compile(cc: str, out: str) -> None:
-    subprocess.run([cc, *FLAGS, str(SOURCE), "-o", out, "-lm"], capture_output=True, text=True,
+    include = f"-I{HEADERS[0].parent}"  # the shared header, for a source built from elsewhere (benchmarks)
+    subprocess.run([cc, *FLAGS, include, *map(str, SOURCES), "-o", out, "-lm"], capture_output=True, text=True,
                    timeout=300, check=True)
 
 

@@ -29,100 +29,11 @@
  * * G * max_blocks * 2 floats: each block's sum of exponentials and the max
  * it is taken against (its run's).
  */
-#include <float.h>
-#if defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "cpu_common.h"
 
 #define MAX_D 256
 #define MAX_H 128         /* query heads */
 #define MAX_HD 8192       /* query heads x head_dim */
-#define RUN_TOKENS 256    /* keys per work item at most: chunk x block_size */
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Eight floats, as GCC and Clang vector extensions spell them: one AVX register on x86-64, two NEON
- * registers on arm64. Written out because the auto-vectorizer kept every reduction below as an
- * in-order chain of scalar adds (no reassociation without -ffast-math, which this library must not
- * use: it would set flush-to-zero for the whole process). */
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline v8f ld8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void st8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
-
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-/* e^x lane by lane for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2 / 2, e^r by its
- * Taylor series to r^6 (relative error under 2e-7), times 2^n put into the exponent bits. Lanes
- * below -87 give 0. glibc's expf is scalar here (it vectorizes only under -ffast-math). */
-static inline v8f exp8(v8f x) {
-    const v8f lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
-    const v8i under = x < lo;
-    x = (v8f)(((v8i)x & ~under) | ((v8i)lo & under));
-    const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
-    const v8f n = (x * 1.44269504088896341f + magic) - magic;
-    const v8f r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  /* ln2 in two parts */
-    v8f p = r * (1.0f / 720) + (1.0f / 120);
-    p = p * r + (1.0f / 24);
-    p = p * r + (1.0f / 6);
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const v8i e = (v8i)p + (__builtin_convertvector(n, v8i) << 23);
-    return (v8f)(e & ~under);
-}
-
-static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
-
-/* A row of head_dim values as float32: the pool's own memory when it is float32, else widened into
- * `tmp` (eight at a time: bf16 by a shift into the high half, fp16 by the F16C conversion). */
-static inline const float *load_row(const void *pool, int dtype, int64_t row, int d, float *tmp) {
-    if (dtype == 0) return (const float *)pool + row * d;
-    if (dtype == 1) {
-        const uint16_t *p = (const uint16_t *)pool + row * d;
-#if defined(__AVX2__)
-        for (int j = 0; j < d; j += 8) {
-            const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + j)));
-            _mm256_storeu_si256((__m256i *)(tmp + j), _mm256_slli_epi32(w, 16));
-        }
-#else
-        for (int j = 0; j < d; j++) tmp[j] = bf16_to_float(p[j]);
-#endif
-    } else {
-        const uint16_t *p = (const uint16_t *)pool + row * d;
-#if defined(__F16C__)
-        for (int j = 0; j < d; j += 8)
-            _mm256_storeu_ps(tmp + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + j))));
-#else
-        const _Float16 *h = (const _Float16 *)p;
-        for (int j = 0; j < d; j++) tmp[j] = (float)h[j];
-#endif
-    }
-    return tmp;
-}
-
-static inline const char *row_addr(const void *pool, int dtype, int64_t row, int d) {
-    return (const char *)pool + row * d * (dtype == 0 ? 4 : 2);
-}
-
-/* The same token's rows in the next block, one block ahead of the reads: the hardware prefetcher
- * stays within a block's span, and each block starts wherever the pool put it. */
-static inline void prefetch_span(const char *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
-}
 
 typedef struct {
     const float *q;
@@ -195,35 +106,7 @@ static void run_blocks(const Args *a, int b, int i0, int i1, float *part) {
         }
         n += valid;
     }
-    /* one softmax over the run per query head: s becomes exp(s - max) */
-    const int n8 = (n + 7) & ~7;
-    for (int hq = 0; hq < heads; hq++) {
-        float *sh = s + hq * RUN_TOKENS, *ph = part + hq * row_stride;
-        for (int t = n; t < n8; t++) sh[t] = -FLT_MAX;  /* exp8 gives these 0 */
-        float mx = -FLT_MAX;
-        for (int t = 0; t < n; t++) mx = sh[t] > mx ? sh[t] : mx;
-        v8f acc = {0};
-        for (int t = 0; t < n8; t += 8) {
-            const v8f e = exp8(ld8(sh + t) - mx);
-            st8(sh + t, e);
-            acc += e;
-        }
-        ph[0] = mx;
-        ph[1] = hsum8(acc);
-        memset(ph + 2, 0, sizeof(float) * d);
-        if (a->stats) {  /* each block's sum against the run's max */
-            const int h = hq / g_n, g = hq % g_n;
-            float *st = a->stats + ((((int64_t)b * kvh + h) * g_n + g) * a->max_blocks + i0) * 2;
-            for (int i = i0, t0 = 0; i < i1; i++, st += 2) {
-                const int t1 = t0 + (len - i * bs < bs ? len - i * bs : bs);
-                float sum = 0.0f;
-                for (int t = t0; t < t1; t++) sum += sh[t];
-                st[0] = mx;
-                st[1] = sum;
-                t0 = t1;
-            }
-        }
-    }
+    run_softmax(s, n, heads, d, part, a->stats, b, i0, i1, len, bs, a->max_blocks);
     /* values: out_hq += p_hq[n] * v_n, two tokens at a time */
     n = 0;
     for (int i = i0; i < i1; i++) {
@@ -260,6 +143,10 @@ static void run_blocks(const Args *a, int b, int i0, int i1, float *part) {
     }
 }
 
+static void run_item(const void *args, int b, int i0, int i1, float *part) {
+    run_blocks((const Args *)args, b, i0, i1, part);
+}
+
 /* Returns 0, or -1 when a shape is past this kernel's fixed limits (the caller falls back). */
 int paged_decode(const float *q, const void *kc, const void *vc, int dtype, const int32_t *tables,
                  int64_t table_stride, const int32_t *seq_lens, const float *cos, const float *sin,
@@ -269,56 +156,16 @@ int paged_decode(const float *q, const void *kc, const void *vc, int dtype, cons
     if (heads > MAX_H || heads * d > MAX_HD || d > MAX_D || d % 8 || chunk < 1 || chunk * bs > RUN_TOKENS ||
         heads % kv_heads)
         return -1;
-    const int g_n = heads / kv_heads;
     Args a = {q, kc, vc, dtype, tables, table_stride, seq_lens, cos, sin, heads, kv_heads, d, bs,
               max_blocks, chunk, scale, partial, block_mass ? stats : NULL};
     const int runs_max = (max_blocks + chunk - 1) / chunk;
-    const int items = num_seqs * runs_max;
-    int64_t blocks_total = 0;
-    for (int b = 0; b < num_seqs; b++) blocks_total += (seq_lens[b] + bs - 1) / bs;
     /* waking the other threads costs more than a few dozen blocks of work (OMP_WAIT_POLICY=passive) */
-    const int parallel = blocks_total * kv_heads >= 96;
-#pragma omp parallel for schedule(dynamic, 1) if (parallel)
-    for (int it = 0; it < items; it++) {
-        const int r = it % runs_max, b = it / runs_max;
-        const int blocks = (seq_lens[b] + bs - 1) / bs;
-        if (r * chunk >= blocks) continue;
-        const int i1 = (r + 1) * chunk < blocks ? (r + 1) * chunk : blocks;
-        run_blocks(&a, b, r * chunk, i1, partial + (int64_t)it * heads * (d + 2));
-    }
+    const int parallel = blocks_in(seq_lens, num_seqs, bs) * kv_heads >= 96;
+    run_items(run_item, &a, seq_lens, num_seqs, bs, chunk, runs_max, (int64_t)heads * (d + 2), partial, parallel);
 #pragma omp parallel for schedule(static) if (parallel && num_seqs > 1)
-    for (int b = 0; b < num_seqs; b++) {
-        const int blocks = (seq_lens[b] + bs - 1) / bs, runs = (blocks + chunk - 1) / chunk;
-        for (int h = 0; h < kv_heads; h++) {
-            for (int g = 0; g < g_n; g++) {
-                /* run r's row for query head h * G + g */
-                const float *first = partial + ((int64_t)b * runs_max * heads + h * g_n + g) * (d + 2);
-                const int64_t run_stride = (int64_t)heads * (d + 2);
-                float mx = -FLT_MAX, total = 0.0f;
-                for (int r = 0; r < runs; r++) {
-                    const float mr = first[r * run_stride];
-                    mx = mr > mx ? mr : mx;
-                }
-                float *o = out + ((int64_t)b * heads + h * g_n + g) * d;
-                memset(o, 0, sizeof(float) * d);
-                for (int r = 0; r < runs; r++) {
-                    const float *pr = first + r * run_stride;
-                    const float w = expf(pr[0] - mx);
-                    total += pr[1] * w;
-#pragma omp simd
-                    for (int j = 0; j < d; j++) o[j] += w * pr[2 + j];
-                }
-                const float inv = 1.0f / total;
-#pragma omp simd
-                for (int j = 0; j < d; j++) o[j] *= inv;
-                if (block_mass) {
-                    const float *st = stats + (((int64_t)b * kv_heads + h) * g_n + g) * max_blocks * 2;
-                    float *mass = block_mass + (int64_t)b * mass_stride;
-                    for (int i = 0; i < blocks; i++) mass[i] += st[2 * i + 1] * expf(st[2 * i] - mx) * inv;
-                }
-            }
-        }
-    }
+    for (int b = 0; b < num_seqs; b++)
+        merge_runs(b, seq_lens, heads, d, bs, chunk, runs_max, max_blocks, partial, stats, out, block_mass,
+                   mass_stride);
     return 0;
 }
 

@@ -14,6 +14,10 @@ Formats, by the pool's storage dtype (keys are quantized BEFORE rotation):
                       keys per CHANNEL per block per KV head (KIVI: key outliers
                       live in channels, value outliers in tokens)
 
+An MLA latent row (c, then the rotary key) is one "head" of latent_dim + rope_dim
+values: int8/fp8 with two float32 scales a token (c's and the rotary part's),
+int4 in groups of 32 as values are (`latent_scale_shape`).
+
 Scale layouts (`scale_shapes`): int8/fp8 (num_blocks, block_size, num_kv_heads)
 float32 for keys and values; int4 values (num_blocks, block_size, num_kv_heads,
 head_dim // 32, 2) float16, int4 keys (num_blocks, num_kv_heads, head_dim, 2)
@@ -60,6 +64,36 @@ def scale_shapes(kv_dtype: str, block_size: int, num_kv_heads: int,
     """Shapes of the key and value scales per block (after num_blocks): int4 keys per channel."""
     value = (block_size, num_kv_heads, *scale_shape(kv_dtype, head_dim))
     return ((num_kv_heads, head_dim, 2) if kv_dtype == "int4" else value), value
+
+
+def latent_scale_shape(kv_dtype: str, latent_dim: int, rope_dim: int) -> tuple[int, ...]:
+    """Trailing shape of an MLA latent row's scales: int8/fp8 (2,), one for c and one for the rotary
+    part (their ranges differ: c is normalized, k_rope is not); int4 (groups, 2) per group of 32."""
+    if kv_dtype == "int4":
+        if latent_dim % INT4_GROUP or rope_dim % INT4_GROUP:
+            raise ValueError(f"int4 KV needs latent and rope dims divisible by {INT4_GROUP}, "
+                             f"got {latent_dim} and {rope_dim}")
+        return ((latent_dim + rope_dim) // INT4_GROUP, 2)
+    return (2,)
+
+
+def quantize_latent(x: torch.Tensor, storage: torch.dtype, latent_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latent rows x (..., latent_dim + rope_dim) -> (stored, scales) as `latent_scale_shape` lays them out."""
+    if storage == torch.uint8:
+        return quantize(x, storage)
+    c, c_scale = quantize(x[..., :latent_dim], storage)
+    r, r_scale = quantize(x[..., latent_dim:], storage)
+    return torch.cat((c, r), dim=-1), torch.stack((c_scale, r_scale), dim=-1)
+
+
+def dequantize_latent(q: torch.Tensor, scale: torch.Tensor, latent_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Stored latent rows and their scales -> (..., latent_dim + rope_dim) in `dtype`."""
+    if q.dtype == torch.uint8:
+        return dequantize(q, scale, dtype)
+    x = q.float()
+    x[..., :latent_dim] *= scale[..., :1]
+    x[..., latent_dim:] *= scale[..., 1:]
+    return x.to(dtype)
 
 
 def storage_head_dim(kv_dtype: str, head_dim: int) -> int:

@@ -369,7 +369,7 @@ def prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     Grouped-query heads share their KV head (`enable_gqa`): keys are never
     repeated per head. With `block_mass` the probabilities are needed, which
     `scaled_dot_product_attention` does not give: attention is computed
-    explicitly (`_attention_with_mass`).
+    explicitly (`attention_with_mass`).
     """
     block_size, num_kv_heads = key_cache.shape[1:3]
     head_dim = q.shape[-1]  # the pool's last dim is head_dim / 2 for int4
@@ -388,16 +388,17 @@ def prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=seq.mask, is_causal=seq.mask is None,
                                                scale=scale, enable_gqa=True)
         else:
-            o, mass = _attention_with_mass(qb, k, v, scale, block_size)
+            o, mass = attention_with_mass(qb, k, v, scale, block_size)
             block_mass[b, :mass.shape[0]] += mass
         out[seq.start:seq.end] = o[0].transpose(0, 1)  # (n, H, D)
     return out
 
 
-def _attention_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+def attention_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                          block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of q (1, H, n, D), the last n of k, v's (1, KVH, L, D) positions, and the
-    mass per block of keys summed over heads and queries: ((1, H, n, D), (ceil(L / block_size),))."""
+    """Causal attention of q (1, H, n, D), the last n of k's (1, KVH, L, D) and v's (1, KVH, L, Dv)
+    positions, and the mass per block of keys summed over heads and queries:
+    ((1, H, n, Dv), (ceil(L / block_size),))."""
     _, num_heads, n, head_dim = q.shape
     num_kv_heads, length = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
@@ -408,4 +409,4 @@ def _attention_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     o = torch.bmm(probs.to(v.dtype).view(num_kv_heads, group * n, length), v[0])
     num_blocks = -(-length // block_size)
     mass = F.pad(probs.sum((0, 1, 2)), (0, num_blocks * block_size - length)).view(num_blocks, block_size).sum(1)
-    return o.view(1, num_heads, n, head_dim), mass
+    return o.view(1, num_heads, n, v.shape[-1]), mass

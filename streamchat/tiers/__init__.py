@@ -20,7 +20,7 @@ def build_pager(cfg, runner, cache_cfg, manager, data_dir: Path | str | None):
     from streamchat.tiers.pager import Pager
 
     num_host_blocks = cfg.host_bytes // runner.bytes_per_block
-    host = HostTier(runner.kv_caches, num_host_blocks, cache_cfg.block_size) if num_host_blocks else None
+    host = HostTier(runner.kv_specs, num_host_blocks, runner.model.device) if num_host_blocks else None
     disk = None
     if cfg.disk_bytes and data_dir is not None:
         disk = DiskTier(Path(data_dir), cfg.disk_bytes, KVLayout.of(runner, cache_cfg),

@@ -1,9 +1,10 @@
 """The host tier: idle sessions' blocks in host memory, a block pool of its own.
 
-Owns a second `BlockPool` over per-layer host tensors in the device pool's
-layout (pinned memory when the device is CUDA, so copies are DMA-able; plain
-CPU tensors otherwise, where it still lets a fixed device pool hold more
-sessions' worth of KV) and which session holds which host blocks. Full
+Owns a second `BlockPool` over per-layer host tensors laid out by the same
+per-layer KV specs as the device pool (model/kv_spec.py; pinned memory when
+the device is CUDA, so copies are DMA-able; plain CPU tensors otherwise,
+where it still lets a fixed device pool hold more sessions' worth of KV) and
+which session holds which host blocks. Full
 blocks of a pristine session keep their prefix hash here too, so sessions
 sharing a system prompt hold one host copy of it. Knows nothing about the
 policy or about sessions but their ids: the engine's scheduler decides who
@@ -18,8 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from streamchat.cache.block_pool import BlockPool
-from streamchat.model.attention import LayerKV
-from streamchat.tiers.kvfile import FIELDS, SeqState
+from streamchat.tiers.kvfile import SeqState
 
 
 @dataclass
@@ -31,7 +31,7 @@ class HostEntry:
 
 
 def copy_blocks(src_caches, src_ids: list[int], dst_caches, dst_ids: list[int], stream=None) -> None:
-    """Copy blocks between two pools of the same layout (on any devices).
+    """Copy blocks between two pools of the same specs (on any devices).
 
     `stream`: a CUDA side stream (the host tier's) for copies between host
     and device. It first waits for the work queued on the current stream
@@ -44,8 +44,8 @@ def copy_blocks(src_caches, src_ids: list[int], dst_caches, dst_ids: list[int], 
         return
     if stream is None:
         for src, dst in zip(src_caches, dst_caches):
-            si = torch.tensor(src_ids, dtype=torch.long, device=src.key.device)
-            di = torch.tensor(dst_ids, dtype=torch.long, device=dst.key.device)
+            si = torch.tensor(src_ids, dtype=torch.long, device=src[0].device)
+            di = torch.tensor(dst_ids, dtype=torch.long, device=dst[0].device)
             for s, d in zip(src, dst):
                 if s is not None:
                     d.index_copy_(0, di, s.index_select(0, si).to(d.device))
@@ -55,8 +55,8 @@ def copy_blocks(src_caches, src_ids: list[int], dst_caches, dst_ids: list[int], 
     landed = []  # copies down: (host pool tensor, host ids, staged rows), placed once the stream is done
     with torch.cuda.stream(stream):
         for src, dst in zip(src_caches, dst_caches):
-            si = torch.tensor(src_ids, dtype=torch.long).to(src.key.device)
-            di = torch.tensor(dst_ids, dtype=torch.long).to(dst.key.device)
+            si = torch.tensor(src_ids, dtype=torch.long).to(src[0].device)
+            di = torch.tensor(dst_ids, dtype=torch.long).to(dst[0].device)
             for s, d in zip(src, dst):
                 if s is None:
                     continue
@@ -76,15 +76,14 @@ def copy_blocks(src_caches, src_ids: list[int], dst_caches, dst_ids: list[int], 
 
 
 class HostTier:
-    def __init__(self, device_caches, num_blocks: int, block_size: int) -> None:
-        device = device_caches[0].key.device
+    def __init__(self, kv_specs, num_blocks: int, device: torch.device) -> None:
+        """kv_specs: the device pool's, one per layer; device: the device pool's (CUDA: pinned memory)."""
         pin = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if pin else None  # side stream of copies (copy_blocks)
-        self.block_size = block_size
+        self.block_size = kv_specs[0].block_size
         self.pool = BlockPool(num_blocks + 1)  # + the null block
-        self.caches = [LayerKV(*(None if t is None else
-                                 torch.empty((num_blocks + 1, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
-                                 for t in kv)) for kv in device_caches]
+        self.caches = [spec.allocate(num_blocks + 1, torch.device("cpu"), pin_memory=pin, fill=False)
+                       for spec in kv_specs]
         self.entries: OrderedDict[str, HostEntry] = OrderedDict()  # least recently paged out first
 
     @property
@@ -140,7 +139,7 @@ class HostTier:
         ids = entry.block_ids if rows is None else [entry.block_ids[r] for r in rows]
         idx = torch.tensor(ids, dtype=torch.long)
         return {f"{name}.{layer}": t.index_select(0, idx)
-                for layer, kv in enumerate(self.caches) for name, t in zip(FIELDS, kv) if t is not None}
+                for layer, kv in enumerate(self.caches) for name, t in zip(kv._fields, kv) if t is not None}
 
     def check(self) -> None:
         """Assert the pool holds and the entries reference the same blocks."""

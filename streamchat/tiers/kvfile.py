@@ -7,32 +7,37 @@ session's blocks copied out in table order, plus the state that goes with
 them) and hands one back.
 
     file  = safetensors: u64 header length | JSON header | tensor bytes
-    tensors   key.{layer}, value.{layer}        (num_blocks, block_size, kv_heads, head_dim*)
-              k_scale.{layer}, v_scale.{layer}  scales, only for --kv-dtype int8 / fp8 / int4
-                                                (int4: (scale, min) pairs; keys (num_blocks,
-                                                kv_heads, head_dim, 2), one pair per channel per
-                                                block; see kernels/quant.py)
+    tensors   {name}.{layer}: each layer's pool tensors as its KV spec names them
+              (streamchat/model/kv_spec.py), (num_blocks, *one block's shape):
+                full attention  key, value (block_size, kv_heads, head_dim*); k_scale, v_scale
+                                for --kv-dtype int8 / fp8 / int4 (see kernels/quant.py)
+                MLA             latent (block_size, latent_dim + rope_dim*); latent_scale
+                                for int8 / fp8 / int4
               row i is the session's block i: cache positions i*block_size .. +block_size-1
-              (* head_dim / 2 for int4: two values a byte)
+              (* halved for int4: two values a byte)
     metadata  "streamchat": the header below, JSON
               "checksum":   "blake2b-128:" + hex over the header JSON and, by name, each
                             tensor's name, dtype, shape and bytes
 
-    header    format "streamchat.kv", version 4, session_id, written_at (unix s),
+    header    format "streamchat.kv", version 5, session_id, written_at (unix s),
               transcript_mark (what the store held when it was written; null if unknown),
               layout: model_fingerprint, model_dtype, kv_dtype, block_size, sink_tokens,
-                      window_tokens, pin_system_prompt, num_layers, num_kv_heads, head_dim
+                      window_tokens, pin_system_prompt, num_layers, kv_specs (per layer:
+                      {"kind": "full_attention", "num_kv_heads", "head_dim"} or
+                      {"kind": "mla", "latent_dim", "rope_dim"})
               state:  token_ids (cache order: token i sits at cache position i),
                       num_sink_blocks, pinned_tokens, pristine, evicted_tokens,
                       total_tokens, cached_tokens, queried_tokens, eviction,
                       block_scores (h2o: attention mass per block, table order)
 
-Each key is stored rotated by its offset in its block (0..block_size-1), never
-by its cache position, so the blocks may go back into any physical blocks, in
-this order. Older versions are refused with reason "version" (the session is
-rebuilt from its transcript, as for any file that cannot be used): version 1
-held keys before rotary embedding, version 2 int4 key scales per token, version
-3 symmetric int4 (a scale per group, no minimum).
+Each key (and each latent's rotary part) is stored rotated by its offset in
+its block (0..block_size-1), never by its cache position, so the blocks may
+go back into any physical blocks, in this order. Older versions are refused
+with reason "version" (the session is rebuilt from its transcript, as for
+any file that cannot be used): version 1 held keys before rotary embedding,
+version 2 int4 key scales per token, version 3 symmetric int4 (a scale per
+group, no minimum), version 4 a layout of num_kv_heads and head_dim (no
+per-layer specs).
 """
 
 from __future__ import annotations
@@ -49,11 +54,11 @@ from pathlib import Path
 import torch
 
 FORMAT = "streamchat.kv"
-VERSION = 4  # 4: int4 asymmetric, (scale, min) per group; 3: int4 key scales per channel per block;
-#              2: keys rotated by their offset in their block; 1: keys before rotary embedding
+VERSION = 5  # 5: per-layer KV specs in the layout (MLA latents); 4: int4 asymmetric, (scale, min) per
+#              group; 3: int4 key scales per channel per block; 2: keys rotated by their offset in
+#              their block; 1: keys before rotary embedding
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
-FIELDS = ("key", "value", "k_scale", "v_scale")  # LayerKV order
 MAX_HEADER_BYTES = 64 << 20
 # Why a saved file was not used; also the `reason` label of the load-failure metric.
 REASONS = ("missing", "unreadable", "truncated", "version", "foreign", "checksum", "inconsistent",
@@ -80,16 +85,18 @@ class KVLayout:
     sink_tokens: int
     window_tokens: int
     pin_system_prompt: bool
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    kv_specs: tuple  # one KVSpec per layer (model/kv_spec.py)
 
     @classmethod
     def of(cls, runner, cache_cfg) -> KVLayout:
-        s = runner.model.shape
         return cls(runner.loaded.source.fingerprint, str(runner.model.dtype), runner.kv_dtype,
                    cache_cfg.block_size, cache_cfg.sink_tokens, cache_cfg.window_tokens,
-                   cache_cfg.pin_system_prompt, s.num_layers, s.num_kv_heads, s.head_dim)
+                   cache_cfg.pin_system_prompt, tuple(runner.kv_specs))
+
+    def to_json(self) -> dict:
+        """The layout as a file's header holds it: each spec by its description."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "kv_specs"}
+        return {**fields, "num_layers": len(self.kv_specs), "kv_specs": [s.describe() for s in self.kv_specs]}
 
 
 @dataclass
@@ -126,11 +133,11 @@ class Snapshot:
 
 
 def gather(caches, block_ids: list[int]) -> dict[str, torch.Tensor]:
-    """Copy blocks out of per-layer pools (LayerKV) into CPU tensors, in the given order."""
+    """Copy blocks out of per-layer pools (LayerKV, LatentKV) into CPU tensors, in the given order."""
     out = {}
     for layer, kv in enumerate(caches):
-        idx = torch.tensor(block_ids, dtype=torch.long, device=kv.key.device)
-        for name, t in zip(FIELDS, kv):
+        idx = torch.tensor(block_ids, dtype=torch.long, device=kv[0].device)
+        for name, t in zip(kv._fields, kv):
             if t is not None:
                 out[f"{name}.{layer}"] = t.index_select(0, idx).cpu()
     return out
@@ -139,30 +146,18 @@ def gather(caches, block_ids: list[int]) -> dict[str, torch.Tensor]:
 def scatter(tensors: dict[str, torch.Tensor], rows: list[int], caches, block_ids: list[int]) -> None:
     """Write rows `rows` of snapshot tensors into pool blocks `block_ids` (same length)."""
     for layer, kv in enumerate(caches):
-        dev = kv.key.device
+        dev = kv[0].device
         dst = torch.tensor(block_ids, dtype=torch.long, device=dev)
         src = torch.tensor(rows, dtype=torch.long)
-        for name, t in zip(FIELDS, kv):
+        for name, t in zip(kv._fields, kv):
             if t is not None:
                 t.index_copy_(0, dst, tensors[f"{name}.{layer}"].index_select(0, src).to(dev))
 
 
 def expected_tensors(layout: KVLayout) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """name -> (dtype, shape after the leading num_blocks) of a file for this layout."""
-    from streamchat.kernels import quant
-
-    lead = (layout.block_size, layout.num_kv_heads)
-    if layout.kv_dtype == "auto":
-        dtype = getattr(torch, layout.model_dtype.removeprefix("torch."))
-        kinds = {"key": (dtype, (*lead, layout.head_dim)), "value": (dtype, (*lead, layout.head_dim))}
-    else:
-        width = quant.storage_head_dim(layout.kv_dtype, layout.head_dim)
-        storage = quant.STORAGE[layout.kv_dtype]
-        scale_dtype = torch.float16 if layout.kv_dtype == "int4" else torch.float32
-        k_shape, v_shape = quant.scale_shapes(layout.kv_dtype, *lead, layout.head_dim)
-        kinds = {"key": (storage, (*lead, width)), "value": (storage, (*lead, width)),
-                 "k_scale": (scale_dtype, k_shape), "v_scale": (scale_dtype, v_shape)}
-    return {f"{name}.{layer}": spec for layer in range(layout.num_layers) for name, spec in kinds.items()}
+    """name -> (dtype, shape after the leading num_blocks) of a file for this layout, from its specs."""
+    return {f"{t.name}.{layer}": (t.dtype, t.shape)
+            for layer, spec in enumerate(layout.kv_specs) for t in spec.tensors()}
 
 
 # -- writing ------------------------------------------------------------------------
@@ -170,7 +165,7 @@ def expected_tensors(layout: KVLayout) -> dict[str, tuple[torch.dtype, tuple[int
 def header_of(snap: Snapshot, layout: KVLayout) -> dict:
     return {"format": FORMAT, "version": VERSION, "session_id": snap.session_id,
             "written_at": round(time.time(), 3), "transcript_mark": snap.mark,
-            "layout": dataclasses.asdict(layout), "state": dataclasses.asdict(snap.state)}
+            "layout": layout.to_json(), "state": dataclasses.asdict(snap.state)}
 
 
 def write_atomic(path: Path, snap: Snapshot, layout: KVLayout) -> int:

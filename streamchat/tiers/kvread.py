@@ -143,7 +143,7 @@ def _check_identity(header: dict, layout: KVLayout, session_id: str) -> None:
         raise KVFileError("unreadable", f"written_at is {_show(written_at)}, not a time")
     if header.get("session_id") != session_id:
         raise KVFileError("foreign", f"written for session {_show(header.get('session_id'))}")
-    ours, theirs = dataclasses.asdict(layout), header.get("layout")
+    ours, theirs = layout.to_json(), header.get("layout")
     if not isinstance(theirs, dict):
         raise KVFileError("unreadable", "layout is not a JSON object")
     for key in sorted(set(ours) | set(theirs), key=lambda k: (k not in ours, k)):

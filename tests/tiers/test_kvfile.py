@@ -22,7 +22,7 @@ def test_round_trip_is_bit_exact_for_every_kv_dtype(tmp_path, kv_dtype):
     assert same_bytes(back.tensors, snap.tensors)
     assert back.state == snap.state and back.mark == "m1"
     header, meta = kvfile.read_header(path)
-    assert header["format"] == "streamchat.kv" and header["version"] == 4
+    assert header["format"] == "streamchat.kv" and header["version"] == 5
     assert header["layout"]["kv_dtype"] == kv_dtype and header["state"]["token_ids"] == snap.state.token_ids
     assert meta["checksum"].startswith("blake2b-128:")
     assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]
@@ -79,10 +79,10 @@ def test_other_session_version_and_stale_mark_are_refused(written, monkeypatch):
     assert refused(path, lay)[0] == "version"
 
 
-@pytest.mark.parametrize("old", [1, 2, 3])
+@pytest.mark.parametrize("old", [1, 2, 3, 4])
 def test_older_versions_are_refused(tmp_path, monkeypatch, old):
     """A whole, checksummed file of version 1 (keys stored before rotary embedding), 2 (int4 key
-    scales per token) or 3 (symmetric int4) is refused as `version`."""
+    scales per token), 3 (symmetric int4) or 4 (no per-layer specs) is refused as `version`."""
     lay = layout(kv_dtype="int4")
     path = tmp_path / "s.safetensors"
     with monkeypatch.context() as m:

@@ -23,7 +23,7 @@ def make_pager(tmp_path, num_blocks=12, host_blocks=4, disk=True):
     gen = torch.Generator().manual_seed(0)
     caches = [LayerKV(torch.randn(num_blocks, 16, 3, 32, generator=gen).bfloat16(),
                       torch.randn(num_blocks, 16, 3, 32, generator=gen).bfloat16()) for _ in range(2)]
-    host = HostTier(caches, host_blocks, 16) if host_blocks else None
+    host = HostTier(lay.kv_specs, host_blocks, torch.device("cpu")) if host_blocks else None
     return Pager(manager, caches, host, DiskTier(tmp_path, 1 << 30, lay, vocab_size=VOCAB) if disk else None)
 
 

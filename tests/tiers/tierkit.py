@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from streamchat.model.kv_spec import FullAttentionSpec, MLAAttentionSpec
 from streamchat.tiers import kvfile
 from streamchat.tiers.kvfile import ANY_MARK, KVFileError, KVLayout, SeqState, Snapshot, expected_tensors
 
@@ -10,11 +11,17 @@ VOCAB = 1000  # the snapshots' token ids are below it
 SID = "sess_" + "ab" * 16  # snapshot()'s session
 
 
-def layout(**changes) -> KVLayout:
+def layout(num_layers=2, num_kv_heads=3, head_dim=32, mla=None, **changes) -> KVLayout:
+    """A layout of `num_layers` full-attention layers, or MLA layers of mla = (latent_dim, rope_dim)."""
     base = dict(model_fingerprint="fp-test", model_dtype="torch.bfloat16", kv_dtype="auto", block_size=16,
-                sink_tokens=4, window_tokens=64, pin_system_prompt=True, num_layers=2, num_kv_heads=3,
-                head_dim=32)
-    return KVLayout(**{**base, **changes})
+                sink_tokens=4, window_tokens=64, pin_system_prompt=True)
+    lay = {**base, **changes}
+    dtype = getattr(torch, lay["model_dtype"].removeprefix("torch."))
+    if mla is None:
+        spec = FullAttentionSpec(lay["block_size"], num_kv_heads, head_dim, dtype, lay["kv_dtype"])
+    else:
+        spec = MLAAttentionSpec(lay["block_size"], *mla, dtype, lay["kv_dtype"])
+    return KVLayout(**lay, kv_specs=(spec,) * num_layers)
 
 
 def random_tensor(dtype, shape, gen):
