@@ -43,6 +43,7 @@ class Placer:
         self._loads: dict[str, int] = {}  # session id -> the read in flight for it
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # (session id, read no, then, result)
         self._reads = 0
+        self._coming_up: str | None = None  # a session landing from the host: its copy must stay there
 
     # -- saved copies ---------------------------------------------------------------------
 
@@ -118,7 +119,7 @@ class Placer:
             p.moves[(DEVICE, DISK)] += 1
             return DISK
         if p.host_could_fit(len(seq.block_ids)):
-            while not p.host_fits(state, hashes) and (oldest := p.host_oldest()) is not None:
+            while not p.host_fits(state, hashes) and (oldest := p.host_oldest(keep=self._coming_up)) is not None:
                 self._host_to_disk(self.sessions[oldest])
             if p.host_fits(state, hashes):
                 p.to_host(sid, state, seq.block_ids, hashes)
@@ -161,7 +162,12 @@ class Placer:
     def _land_host(self, s: EngineSession) -> bool:
         p = self.pager
         plan = p.plan_in(s.parked)
-        if not self.make_room(len(plan.missing), s):
+        self._coming_up = s.session_id
+        try:
+            room = self.make_room(len(plan.missing), s)
+        finally:
+            self._coming_up = None
+        if not room:
             p.abort(plan)
             return False
         s.seq = p.land_host(plan, s.session_id)

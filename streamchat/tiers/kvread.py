@@ -146,10 +146,18 @@ def _check_identity(header: dict, layout: KVLayout, session_id: str) -> None:
     ours, theirs = layout.to_json(), header.get("layout")
     if not isinstance(theirs, dict):
         raise KVFileError("unreadable", "layout is not a JSON object")
-    for key in sorted(set(ours) | set(theirs), key=lambda k: (k not in ours, k)):
+    for key in [*ours, *sorted(set(theirs) - set(ours))]:
         value = theirs.get(key)
         if key not in theirs or type(value) is not type(ours.get(key)) or value != ours.get(key):
-            raise KVFileError("foreign", f"{_show(key)} is {_show(value)} in the file, {_show(ours.get(key))} here")
+            raise KVFileError("foreign", _difference(key, value, ours.get(key)))
+
+
+def _difference(key: str, theirs, ours) -> str:
+    """What differs, naming the first layer whose spec differs rather than every layer's."""
+    if key == "kv_specs" and isinstance(theirs, list) and isinstance(ours, list) and len(theirs) == len(ours):
+        layer = next(i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b)
+        return f"kv_specs of layer {layer} is {_show(theirs[layer], 200)} in the file, {_show(ours[layer], 200)} here"
+    return f"{_show(key)} is {_show(theirs)} in the file, {_show(ours)} here"
 
 
 def _check_mark(header: dict, mark) -> str | None:

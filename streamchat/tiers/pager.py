@@ -68,10 +68,11 @@ class Pager:
         self.host.put(session_id, state, hashes, self.kv, block_ids)
         self.moves[(Residency.DEVICE, Residency.HOST)] += 1
 
-    def host_oldest(self) -> str | None:
-        """The session least recently paged out to the host."""
-        entry = self.host.oldest() if self.host is not None else None
-        return entry.session_id if entry is not None else None
+    def host_oldest(self, keep: str | None = None) -> str | None:
+        """The session least recently paged out to the host (never `keep`: it is coming back up)."""
+        if self.host is None:
+            return None
+        return next((sid for sid in self.host.entries if sid != keep), None)
 
     def host_state(self, session_id: str) -> SeqState:
         return self.host.entries[session_id].state

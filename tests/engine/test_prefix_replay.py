@@ -16,7 +16,7 @@ def reply(eng, sid, messages, max_tokens=12):
             if type(e).__name__ == "ResponseFinished":
                 eng.close_session(sid)
                 eng.check()
-                return e.text, e.usage, e.token_ids
+                return eng.tokenizer.decode(e.token_ids, skip_special_tokens=True), e.usage, e.token_ids
 
 
 def test_replayed_chat_takes_its_shared_blocks_and_answers_as_cold(bundled_fp32):

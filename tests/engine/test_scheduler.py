@@ -47,7 +47,7 @@ def make(cfg: SchedulerConfig, window=2048, blocks=1024):
 def streaming(manager, sid="a") -> EngineSession:
     s = EngineSession(sid, manager.new_seq())
     manager.append(s.seq, list(range(1, 40)))
-    s.response = Response("r", None, None, None, None, 0.0, phase=Phase.DECODE, next_token=7)
+    s.response = Response("r", None, None, None, 0.0, phase=Phase.DECODE, next_token=7)
     return s
 
 

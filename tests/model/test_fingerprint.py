@@ -90,7 +90,12 @@ def test_a_cache_entry_others_may_write_is_not_believed(tmp_path, hashed, caplog
 
 
 def kv_layout(fingerprint: str) -> KVLayout:
-    return KVLayout(fingerprint, "torch.float32", "auto", 4, 4, 16, True, 1, 1, 8)
+    import torch
+
+    from streamchat.model.kv_spec import FullAttentionSpec
+
+    return KVLayout(fingerprint, "torch.float32", "auto", 4, 4, 16, True,
+                    kv_specs=(FullAttentionSpec(4, 1, 8, torch.float32, "auto"),))
 
 
 def tiny_snapshot(layout: KVLayout) -> Snapshot:

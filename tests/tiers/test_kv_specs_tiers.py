@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tierkit import layout, same_bytes, snapshot
+from tierkit import VOCAB, layout, same_bytes, snapshot
 
 from streamchat.model.attention import LatentKV
 from streamchat.tiers import kvfile
@@ -25,7 +25,7 @@ def test_mla_file_round_trip_names_its_latents(tmp_path, kv_dtype, tensors):
     snap = snapshot(lay, num_tokens=40)
     path = tmp_path / "s.safetensors"
     kvfile.write_atomic(path, snap, lay)
-    back = kvfile.read(path, lay, snap.session_id)
+    back = kvfile.read(path, lay, snap.session_id, vocab_size=VOCAB)
     assert same_bytes(back.tensors, snap.tensors) and len(back.tensors) == 3 * len(tensors)
     header = kvfile.read_header(path)[0]
     assert header["version"] == 5 and header["layout"]["num_layers"] == 3
@@ -39,7 +39,7 @@ def test_a_file_of_another_attention_kind_is_foreign(tmp_path):
     path = tmp_path / "s.safetensors"
     kvfile.write_atomic(path, snapshot(full), full)
     with pytest.raises(KVFileError) as err:
-        kvfile.read(path, mla, "sess_" + "ab" * 16)
+        kvfile.read(path, mla, "sess_" + "ab" * 16, vocab_size=VOCAB)
     assert err.value.reason == "foreign"
     assert str(err.value) == ("foreign: kv_specs of layer 0 is {'head_dim': 32, 'kind': 'full_attention', "
                               "'num_kv_heads': 3} in the file, {'kind': 'mla', 'latent_dim': 512, 'rope_dim': 64} here")

@@ -73,7 +73,7 @@ BAD_FIELDS = {
     "layout value type": (put("layout", "block_size", 16.0), "foreign", "'block_size' is 16.0 in the file, 16 here"),
     "layout flag as int": (put("layout", "pin_system_prompt", 1), "foreign", "'pin_system_prompt' is 1"),
     "layout extra key": (put("layout", "rope", "yarn"), "foreign", "'rope' is 'yarn' in the file, None here"),
-    "layout missing key": (drop("layout", "head_dim"), "foreign", "'head_dim' is None in the file, 32 here"),
+    "layout missing key": (drop("layout", "num_layers"), "foreign", "'num_layers' is None in the file, 2 here"),
     "layout as text": (put("", "layout", "x"), "unreadable", "layout is not a JSON object"),
     "mark as number": (put("", "transcript_mark", 5), "unreadable", "transcript_mark is 5"),
     "written_at as text": (put("", "written_at", "now"), "unreadable", "written_at is 'now', not a time"),
