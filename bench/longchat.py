@@ -184,7 +184,7 @@ def run_transformers(args, texts: list[str]) -> dict:
     dtype = pick_dtype(args.hf_dtype, torch.device("cpu"))
     tok = AutoTokenizer.from_pretrained(source.folder)
     model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=dtype).eval()
-    chat = ChatFormat(tok)
+    chat = ChatFormat.of(tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     rows = [chat.bos_ids + chat.message("user", t) + chat.reply_prompt() for t in texts]
     question = chat.reply_end() + chat.message("user", QUESTION) + chat.reply_prompt()

@@ -46,6 +46,8 @@ import json  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
+from streamchat.engine import api  # noqa: E402
+
 TARGET = 5.0
 SID = "sess_" + "0" * 31 + "1"
 MARK = "bench"
@@ -91,10 +93,10 @@ class Session:
         self._put_away(how)
         start = time.perf_counter()
         if how in ("memory", "host"):
-            assert eng.tiering.prefetch(SID) == ("device" if how == "memory" else "host")
-        elif how == "disk":
-            snap = eng.pager.disk.load(SID, MARK)
-            assert eng.tiering.restore_saved(SID, "", self.messages, snap) is None
+            assert eng.handle(api.Prefetch(SID)) == ("device" if how == "memory" else "host")
+        elif how == "disk":  # read inline: this engine's tiers read files on the caller's thread
+            prefix = tuple(eng.chat.system_prefix(""))
+            assert eng.handle(api.RestoreSaved(SID, prefix, MARK, False, len(self.messages))) is None
         else:
             eng.restore_session(SID, "", self.messages)
         common.sync(self.llm.loaded.model.device)
@@ -105,11 +107,11 @@ class Session:
         eng = self.eng
         s = eng.sessions[SID]
         if how == "host":
-            eng.scheduler.drop(s)
-            assert s.tier == "host", s.tier
+            eng.placer.drop(s)
+            assert s.residency == "host", s.residency
             forget_prefix_cache(eng.pool)
         elif how == "disk":
-            assert eng.tiering.checkpoint(SID, MARK)
+            assert eng.handle(api.Checkpoint(SID, MARK))
             eng.pager.flush()
             eng.close_session(SID, keep_saved=True)
             forget_prefix_cache(eng.pool)

@@ -6,7 +6,8 @@
         --mixed-tokens 24 --repeats 1                         # a smoke run
 
 1. Concurrency sweep. For each N in --sessions, N chat sessions run at once
-   through `AsyncEngine` exactly as the daemon drives it: each session is an
+   through a `CoreClient` whose engine core runs in a thread of this process (the
+   daemon's core loop and messages, without a second model load): each session is an
    asyncio task that opens a session, adds a user item, starts a greedy
    response of its length (see --lengths) (`engine.call(...)` per request), opens the
    response's stream and consumes it, stamping each `TextDelta` on arrival
@@ -114,9 +115,9 @@ async def chat_session(aeng, prompt: str, tokens: int, on_delta=None, keep_open:
     n = next(_ids)
     sid, rid = f"bench-s{n}", f"bench-r{n}"
     out = Stream(time.perf_counter())
-    await aeng.submit(api.OpenSession(sid))
-    await queue(aeng, api.PrepareItem(sid, "user", prompt))
-    stream = aeng.open_stream(rid)
+    await aeng.submit(api.OpenSession(sid, tuple(aeng.tokenizer.chat.system_prefix(""))))
+    await queue(aeng, sid, aeng.tokenizer.chat.message("user", prompt))
+    stream = aeng.open_stream(rid, sid)
     try:
         await aeng.submit(api.StartResponse(sid, rid, SamplingParams(), tokens))
         await consume(stream, out, on_delta)
@@ -127,13 +128,14 @@ async def chat_session(aeng, prompt: str, tokens: int, on_delta=None, keep_open:
     return out
 
 
-async def queue(aeng, prepare, ticket=None) -> int:
-    """Admit an item or append, then queue it, as the daemon does (minus the store); its token count."""
+async def queue(aeng, sid: str, tokens: list[int], kind: str = "item", opens: bool = False,
+                ticket: int | None = None) -> int:
+    """Admit tokens, then queue them, as the daemon does (minus the store); their count."""
     from streamchat.engine import api
 
-    prepared = await aeng.submit(prepare)
-    await aeng.submit(api.Queue(prepared, ticket))
-    return len(prepared.token_ids)
+    await aeng.submit(api.CheckRoom(sid, len(tokens)))
+    await aeng.submit(api.Queue(sid, tuple(tokens), kind, opens_item=opens, ticket=ticket))
+    return len(tokens)
 
 
 async def sweep_point(aeng, work: list[tuple[str, int]], clients: int) -> tuple[float, list[Stream]]:
@@ -157,8 +159,9 @@ async def mixed(aeng, prompt: str, append_text: str, tokens: int, warmup: int) -
 
     loop = asyncio.get_running_loop()
     sid_b = f"bench-append{next(_ids)}"
-    await aeng.submit(api.OpenSession(sid_b))
-    await queue(aeng, api.PrepareItem(sid_b, "user", "Here is a book, in parts."))
+    chat = aeng.tokenizer.chat
+    await aeng.submit(api.OpenSession(sid_b, tuple(chat.system_prefix(""))))
+    await queue(aeng, sid_b, chat.message("user", "Here is a book, in parts."))
     go = asyncio.Event()
     times: dict[str, float] = {}
 
@@ -168,10 +171,11 @@ async def mixed(aeng, prompt: str, append_text: str, tokens: int, warmup: int) -
 
     async def appender() -> int:
         await go.wait()
-        ticket = loop.create_future()
+        ticket, done = aeng.new_ticket()
         times["append_start"] = time.perf_counter()
-        added = await queue(aeng, api.PrepareAppend(sid_b, append_text), ticket)
-        await ticket
+        tokens = chat.open_message("user") + chat.encode(append_text)
+        added = await queue(aeng, sid_b, tokens, "append", opens=True, ticket=ticket)
+        await done
         times["append_done"] = time.perf_counter()
         return added
 
@@ -203,10 +207,14 @@ async def mixed(aeng, prompt: str, append_text: str, tokens: int, warmup: int) -
 
 
 async def run_ours(llm, args) -> tuple[list[dict], dict | None]:
-    from streamchat.engine.async_engine import AsyncEngine
+    from streamchat.engine.core_client import CoreClient
 
-    aeng = AsyncEngine(llm.engine, args.num_threads_engine)
-    aeng.start()
+    if args.num_threads_engine:
+        import torch
+
+        torch.set_num_threads(args.num_threads_engine)
+    aeng = CoreClient(llm.config, engine=llm.engine)
+    await aeng.start()
     try:
         await sweep_point(aeng, [(common.PROMPTS[0], 4), (common.PROMPTS[1], 4)], 2)  # warm-up
         rows = []
@@ -238,6 +246,7 @@ async def run_ours(llm, args) -> tuple[list[dict], dict | None]:
         return rows, mix
     finally:
         await aeng.stop()
+        await aeng.aclose()
 
 
 def timed(fn, device) -> float:

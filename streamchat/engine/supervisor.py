@@ -233,6 +233,8 @@ class CoreSupervisor:
         code, pid = proc.exitcode, proc.pid
         if code is not None:
             proc.close()
+            if self._proc is proc:
+                self._proc = None
         if self._stopping or epoch != self.epoch:
             return
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
