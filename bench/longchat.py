@@ -128,11 +128,28 @@ async def streamchat_session(url: str, history: str, first: Reply, second: Reply
 
 async def run_streamchat(args, texts: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp, StreamchatDaemon(Path(tmp), args) as d:
-        return await drive("streamchat", texts, args, lambda t, f, s, g, r: streamchat_session(d.url, t, f, s, g,
-                                                                                               args.tokens, r))
+        base = d.url.replace("ws://", "http://").removesuffix("/v1/realtime")
+        steps = []  # (steps, step seconds) when the questions go out and when the replies are done
+        row = await drive("streamchat", texts, args,
+                          lambda t, f, s, g, r: streamchat_session(d.url, t, f, s, g, args.tokens, r),
+                          on_go=lambda: steps.append(step_counters(base)))
+        steps.append(step_counters(base))
+        (n0, s0), (n1, s1) = steps
+        row["step_ms"] = 1000 * (s1 - s0) / (n1 - n0) if n1 > n0 else None  # the daemon's own, from /metrics
+        return row
 
 
-async def drive(name: str, texts: list[str], args, session) -> dict:
+def step_counters(base: str) -> tuple[float, float]:
+    """(steps, seconds in steps) from the daemon's /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    value = {name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+             for name in ("streamchat_steps_total", "streamchat_step_seconds_total")}
+    return value["streamchat_steps_total"], value["streamchat_step_seconds_total"]
+
+
+async def drive(name: str, texts: list[str], args, session, on_go=None) -> dict:
     firsts, seconds = [Reply() for _ in texts], [Reply() for _ in texts]
     go, ready = asyncio.Event(), []
     started = time.perf_counter()
@@ -141,6 +158,8 @@ async def drive(name: str, texts: list[str], args, session) -> dict:
         await asyncio.sleep(0.05)
     prefill_s = max(ready, default=started) - started
     print(f"  {name}: {len(ready)} histories in {prefill_s:.1f} s; asking all at once", file=sys.stderr, flush=True)
+    if on_go is not None:
+        on_go()
     go.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     return summarize(name, prefill_s, firsts, seconds)
@@ -259,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['server']:14}{common.fmt(r['prefill_s'])}{r['failed']:>5}/{r['responses']:<2}"
               f"{common.fmt(r['decode_tok_s'], 14)}{common.fmt(r['itl_p50_ms'], 12)}{common.fmt(r['itl_p99_ms'], 12)}")
     print_ratios(rows, args.sessions, args.history)
+    ours = next((r for r in rows if r["server"] == "streamchat"), None)
+    if ours is not None and ours.get("step_ms"):
+        print(f"streamchat: {ours['step_ms']:.1f} ms a step while the replies decode (the daemon's /metrics; "
+              f"compare bench/step.py --sessions {args.sessions} --cached <context>)")
     if args.json:
         print(json.dumps([common.rounded(r) for r in rows]))
     return 0

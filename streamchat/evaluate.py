@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Iterator
 
 from streamchat.config import KV_DTYPES, WEIGHTS, ConfigError
+from streamchat.text.corpus import DEFAULT_TEXT, read_text, tokenize  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TEXT = Path(__file__).parent / "data" / "botchan.txt"
 POLICIES = ("full", "window", "sink", "h2o", "recompute")  # = evaluate_policies.POLICIES, torch-free here
 
 
@@ -68,22 +68,6 @@ class EvalResult:
         return out
 
 
-def read_text(path: str | None) -> str:
-    """The text to evaluate (the shipped botchan.txt when `path` is None); never empty."""
-    p = Path(path) if path else DEFAULT_TEXT
-    try:
-        text = p.read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise ConfigError(f"text file not found: {p}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"text file is not UTF-8: {p}") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read text file {p}: {exc.strerror}") from None
-    if not text.strip():
-        raise ConfigError(f"text file is empty: {p}")
-    return text
-
-
 def check_args(args, default_weights: str = "bf16") -> tuple[list[str], list[str], list[str]]:
     """Validate sizes and names before anything heavy loads; (policies, kv_dtypes, weights)."""
     for flag in ("sink_tokens", "window_tokens", "block_size", "tokens", "recompute_stride"):
@@ -114,15 +98,6 @@ def _names(values: list[str] | None, known: tuple[str, ...], flag: str) -> list[
         if n not in known:
             raise ConfigError(f"{flag}: unknown {n!r}; choose from {', '.join(known)}")
     return list(dict.fromkeys(names))  # repeated names run once
-
-
-def tokenize(tokenizer, text: str, num_tokens: int) -> list[int]:
-    ids = tokenizer(text, verbose=False)["input_ids"][:num_tokens]
-    if len(ids) < 2:
-        raise ConfigError(f"the text has {len(ids)} token(s); at least 2 are needed")
-    if len(ids) < num_tokens:
-        log.warning("the text has only %d tokens; evaluating all of them", len(ids))
-    return ids
 
 
 def evaluate(loaded, token_ids: list[int], spec, policies: list[str], kv_dtypes: list[str],
@@ -206,6 +181,7 @@ def _cmd_eval(args) -> int:
 
     from streamchat import settings
     from streamchat.evaluate_policies import EvalSpec
+    from streamchat.autotune import measure_weights
     from streamchat.model.runner import load_model
 
     config = settings.load(args)
@@ -214,7 +190,7 @@ def _cmd_eval(args) -> int:
     spec = EvalSpec(args.sink_tokens, args.window_tokens, args.block_size, args.recompute_stride,
                     h2o_recent_tokens=args.h2o_recent_tokens, h2o_decay=args.h2o_decay)
     for i, fmt in enumerate(weights):  # one model at a time
-        loaded = load_model(dataclasses.replace(config.model, weights=fmt))
+        loaded = load_model(dataclasses.replace(config.model, weights=fmt), measure=measure_weights)
         token_ids = tokenize(loaded.tokenizer, text, args.tokens)
         if i == 0 and not args.json:
             print(f"{loaded.source.name} ({loaded.model.dtype}), {len(token_ids)} tokens of "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from streamchat.autotune import measure_weights
 from streamchat.config import Config
 from streamchat.engine.api import EngineError, Usage
 from streamchat.engine.engine import Engine
@@ -35,7 +36,7 @@ class LLM:
     def __init__(self, config: Config | None = None, loaded=None, tiers: bool = False) -> None:
         """`tiers`: page idle sessions to host memory and (when `config.tiers.data_dir` is set) disk."""
         self.config = (config or Config()).validate()
-        self.loaded = loaded or load_model(self.config.model)
+        self.loaded = loaded or load_model(self.config.model, measure=measure_weights)
         self.runner = ModelRunner(self.loaded, self.config.cache, self.config.scheduler.max_running,
                                   self.config.model.cuda_graphs)
         self.engine = Engine(self.runner, self.config.cache, self.config.scheduler,

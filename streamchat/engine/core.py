@@ -240,11 +240,12 @@ class EngineCore:
 
 def build_engine(config):
     """The model, its pool and the engine the daemon runs, from the config."""
+    from streamchat.autotune import measure_weights
     from streamchat.engine.engine import Engine
     from streamchat.model.runner import ModelRunner, load_model
     from streamchat.tiers.disk import default_data_dir
 
-    loaded = load_model(config.model)
+    loaded = load_model(config.model, measure=measure_weights)
     runner = ModelRunner(loaded, config.cache, config.scheduler.max_running, config.model.cuda_graphs)
     data_dir = config.tiers.data_dir or default_data_dir(config.store.url)
     return Engine(runner, config.cache, config.scheduler, tiers=config.tiers, data_dir=data_dir, sync_io=False)

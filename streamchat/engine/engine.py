@@ -7,8 +7,8 @@ the front frames and tokenizes). `step()` is schedule -> run -> postprocess
 Exactly one thread may call into an Engine (the core process's main thread
 in the daemon; the caller in tests and the LLM class). Where a session's KV
 lives is its scheduler's placer's alone; saving to disk is `engine.saving`.
-The text methods at the end (`open_session`, `add_item`, ...) frame and
-tokenize with the model's own tokenizer, for in-process callers.
+Its text methods (`engine.text_calls`: `open_session`, `add_item`, ...)
+frame and tokenize with the model's own tokenizer, for in-process callers.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from streamchat.engine.saving import Saver
 from streamchat.engine.scheduler import Scheduler
 from streamchat.engine.session import EngineSession, Pending, Response
 from streamchat.engine.step import Stepper
-from streamchat.model.sampling import SamplingParams, make_generator
-from streamchat.text.chat import ChatFormat, Message
+from streamchat.engine.text_calls import TextCalls
+from streamchat.model.sampling import make_generator
+from streamchat.text.chat import ChatFormat
 from streamchat.tiers import build_pager
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineError"]
 
 
-class Engine:
+class Engine(TextCalls):
     def __init__(self, runner, cache: CacheConfig, scheduler: SchedulerConfig,
                  metrics: EngineMetrics | None = None, clock=time.monotonic,
                  tiers: TierConfig | None = None, data_dir=None, sync_io: bool = True) -> None:
@@ -274,51 +275,6 @@ class Engine:
         """Assert the pool and every session's table agree, and the tiers hold what they say."""
         self.manager.check([s.seq for s in self.sessions.values()])
         self.placer.check()
-
-    # -- text, for in-process callers ---------------------------------------------------
-
-    def open_session(self, session_id: str, instructions: str = "") -> None:
-        self.open(session_id, self.chat.system_prefix(instructions))
-
-    def restore_session(self, session_id: str, instructions: str, messages: list[Message],
-                        admit: bool = False) -> int:
-        s_open = bool(messages) and not messages[-1][2]
-        return self.restore_transcript(api.RestoreTranscript(
-            session_id, tuple(self.chat.system_prefix(instructions)), tuple(self.chat.transcript(messages)),
-            s_open, len(messages), admit))
-
-    def add_item(self, session_id: str, role: str, text: str, ticket=None) -> int:
-        """Frame and queue a whole message (closing the open append item); returns its tokens."""
-        s = self._get(session_id)
-        tokens = (self.chat.close_message("user") if s.open_item else []) + self.chat.message(role, text)
-        self.check_room(s, len(tokens))
-        self.queue(api.Queue(session_id, tuple(tokens), "item", closes_item=s.open_item, ticket=ticket))
-        return len(tokens)
-
-    def append_text(self, session_id: str, text: str, ticket=None) -> int:
-        """Raw text into the open user item (opened by the first append); returns tokens added."""
-        s = self._get(session_id)
-        tokens = ([] if s.open_item else self.chat.open_message("user")) + self.chat.encode(text)
-        self.check_room(s, len(tokens))
-        self.queue(api.Queue(session_id, tuple(tokens), "append", opens_item=not s.open_item, ticket=ticket))
-        return len(tokens)
-
-    def commit_text(self, session_id: str, ticket=None) -> bool:
-        """Close the open item; False if none was open."""
-        if not self._get(session_id).open_item:
-            return False
-        self.queue(api.Queue(session_id, tuple(self.chat.close_message("user")), "commit", ticket=ticket))
-        return True
-
-    def start_response(self, session_id: str, response_id: str, params: SamplingParams,
-                       max_tokens: int | None = None, instructions: str | None = None) -> None:
-        s = self._get(session_id)
-        close = self.chat.close_message("user") if s.open_item else []
-        turn = self.chat.message("system", instructions) if instructions else []
-        self.start(api.StartResponse(session_id, response_id, params, max_tokens, tuple(turn), tuple(close)))
-
-    def transcript_tokens(self, messages: list[Message]) -> list[int]:
-        return self.chat.transcript(messages)
 
 
 def _eos_ids(hf_config, tokenizer) -> set[int]:

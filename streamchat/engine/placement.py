@@ -290,13 +290,10 @@ class Placer:
 
     def check(self) -> None:
         """Assert every session's residency agrees with where its KV is."""
-        host_ids = set()
         for s in self.sessions.values():
-            if s.residency is HOST:
-                host_ids.add(s.session_id)
             if not s.resident:
                 assert not s.seq.block_ids, (s.session_id, s.residency)
                 assert s.parked is not None or s.residency is DROPPED, (s.session_id, s.residency)
             assert s.loading == (s.session_id in self._loads), s.session_id
         if self.pager is not None:
-            self.pager.check(host_ids)
+            self.pager.check({s.session_id for s in self.sessions.values() if s.residency is HOST})

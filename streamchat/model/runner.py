@@ -60,8 +60,12 @@ class LoadedModel:
     weights: str = "bf16"  # the served weight format (auto resolved)
 
 
-def load_model(cfg: ModelConfig) -> LoadedModel:
-    """Resolve, read and place the model the config names, its weights in the configured format."""
+def load_model(cfg: ModelConfig, measure=None) -> LoadedModel:
+    """Resolve, read and place the model the config names, its weights in the configured format.
+
+    `measure(build, tokenizer)`: how `--weights auto` measures the formats when no earlier decision is
+    cached (`streamchat.autotune.measure_weights`); without it, auto refuses to measure.
+    """
     from transformers import AutoConfig, AutoTokenizer
 
     device = pick_device(cfg.device)
@@ -87,7 +91,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
 
     weights = cfg.weights
     if weights == "auto":
-        weights = _auto(cfg, source, device, dtype, build, tokenizer)
+        weights = _auto(cfg, source, device, dtype, lambda: _measured(measure, build, tokenizer))
     loaded = build(weights)
     log.debug("loaded %s (%s, %s weights, %s, %s attention)", source.name, dtype, weights, device, backend.name)
     return loaded
@@ -108,18 +112,18 @@ def _gguf_raw(source: ModelSource, hf_config, weights: str, device: torch.device
     return linear_weights(source.gguf, source.folder, hf_config, GGUF_GROUPS)
 
 
-def _auto(cfg: ModelConfig, source: ModelSource, device, dtype, build, tokenizer) -> str:
+def _auto(cfg: ModelConfig, source: ModelSource, device, dtype, measure) -> str:
     """auto's format: cached beside the converted models, else measured on the shipped text."""
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     path = weights_auto.decision_path(cache_dir, source.fingerprint, device, dtype)
-
-    def measure():
-        from streamchat.evaluate import read_text, tokenize
-
-        token_ids = tokenize(tokenizer, read_text(None), weights_auto.AUTO_TOKENS)
-        return weights_auto.measure(build, token_ids)
-
     return weights_auto.choose(path, device, measure)
+
+
+def _measured(measure, build, tokenizer):
+    if measure is None:
+        raise ConfigError("--weights auto has no decision cached for this model and this caller cannot measure "
+                          "one; run `streamchat serve` or `streamchat eval` with --weights auto once")
+    return measure(build, tokenizer)
 
 
 AUTO_KV_SHARE = 8  # --kv-memory-gib 0: an eighth of the device's memory ...

@@ -1,10 +1,10 @@
 """`--weights auto`: the fastest weight format whose perplexity is within 1% of dense.
 
 Owns the decision and its cache. Measured once per (model fingerprint,
-device, dtype) on a short slice of the shipped text: each format's
-perplexity over the first AUTO_TOKENS tokens (the `full` policy of
-`streamchat eval`), and its decode step time, interleaved across the formats
-so that other load on the machine falls on all of them alike. The decision is
+device, dtype) on a short slice of the shipped text by the caller's
+`measure` (`streamchat.autotune`: each format's perplexity over the first
+AUTO_TOKENS tokens and its decode step time, interleaved across the formats
+so that other load on the machine falls on all of them alike). The decision is
 a small JSON file beside the converted models
 (`$XDG_CACHE_HOME/streamchat/models/weights-auto/`); delete it to measure
 again. Off the CPU the quantized formats do not run, so auto is dense there.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -87,40 +86,3 @@ def choose(path: Path, device: torch.device, measure: Callable[[], dict[str, Mea
              ", ".join(f"{k} ppl {m.ppl / dense.ppl - 1:+.2%} decode {m.decode_ms:.1f} ms"
                        for k, m in measured.items()), path)
     return choice
-
-
-def measure(build: Callable[[str], object], token_ids: list[int]) -> dict[str, Measured]:
-    """Each format's perplexity over `token_ids` and its decode step time; `build(fmt)` -> LoadedModel.
-
-    All formats are held at once (their steps interleave): dense plus about
-    half its bytes again, the quantized copies sharing the dense embedding.
-    """
-    from streamchat import evaluate_policies as ep
-
-    loaded = {fmt: build(fmt) for fmt in FORMATS}
-    spec = ep.EvalSpec()
-    ppl = {fmt: float(ep.streamed_policy(m, "full", token_ids, spec).nll.double().mean().exp())
-           for fmt, m in loaded.items()}
-    ms = decode_ms(loaded, token_ids, spec)
-    return {fmt: Measured(ppl[fmt], ms[fmt]) for fmt in FORMATS}
-
-
-def decode_ms(loaded: dict[str, object], token_ids: list[int], spec) -> dict[str, float]:
-    """Median single-token step of each model, the models taking turns step by step."""
-    from streamchat import evaluate_policies as ep
-    from streamchat.config import CacheConfig
-    from streamchat.model.runner import ModelRunner
-
-    steps = DECODE_STEPS + 2
-    caches = {fmt: ep.policy_cache("full", steps + 1, spec) for fmt in loaded}
-    runners = {fmt: ModelRunner(m, CacheConfig(block_size=spec.block_size, num_blocks=caches[fmt].num_blocks,
-                                               prefix_sharing=False))
-               for fmt, m in loaded.items()}
-    times: dict[str, list[float]] = {fmt: [] for fmt in loaded}
-    for step in range(steps):
-        for fmt, runner in runners.items():
-            c = caches[fmt]
-            started = time.perf_counter()
-            ep.stream_nll(runner, c.manager, c.seq, token_ids[step:step + 2], 1)  # one token fed
-            times[fmt].append(time.perf_counter() - started)
-    return {fmt: 1e3 * statistics.median(t[2:]) for fmt, t in times.items()}

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 SESSION_ID = re.compile(r"sess_[0-9a-f]{32}")
 MAX_PENDING_BYTES = 1 << 30  # snapshots waiting for the writer; save() waits beyond this
+BACKGROUND_NICE = 10  # the reader's and the writer's priority (Linux nice, per thread)
 
 
 def file_name(session_id: str) -> str:
@@ -197,6 +198,7 @@ class DiskTier:
         self._reads.put((session_id, mark, done))
 
     def _read_loop(self) -> None:
+        _background()
         while True:
             item = self._reads.get()
             if item is None:
@@ -239,6 +241,7 @@ class DiskTier:
     # -- the writer thread ------------------------------------------------------------
 
     def _run(self) -> None:
+        _background()
         while True:
             with self._lock:
                 while not self._queue and not self._stopping:
@@ -335,6 +338,15 @@ class DiskTier:
             log.warning("disk tier %s: %d entries are not streamchat session files and are left alone "
                         "(never read, counted or deleted): %s%s", self.root, len(others), ", ".join(others[:5]),
                         " ..." if len(others) > 5 else "")
+
+
+def _background() -> None:
+    """This thread yields the CPU to the step loop: on a machine whose cores the model's threads fill,
+    reading, checksumming and writing files at the same priority slowed every stream's steps."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the files are still read off the loop
+        pass
 
 
 def _set_mtime(path: Path, when: float) -> None:

@@ -297,9 +297,11 @@ def test_auto_on_cuda_is_dense_without_measuring(tmp_path):
 
 def test_auto_measure_runs_every_format(tiny_hf, monkeypatch):
     """measure() on a tiny model: a finite perplexity and a positive step time for bf16, int8 and int4."""
-    monkeypatch.setattr(weights_auto, "DECODE_STEPS", 2)
+    from streamchat import autotune
+
+    monkeypatch.setattr(autotune, "DECODE_STEPS", 2)
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    measured = weights_auto.measure(lambda fmt: tiny_loaded(tiny_hf, fmt), ids)
+    measured = autotune._measure(lambda fmt: tiny_loaded(tiny_hf, fmt), ids)
     assert list(measured) == ["bf16", "int8", "int4"]
     for m in measured.values():
         assert 1 < m.ppl < 1e4 and m.decode_ms > 0
