@@ -115,9 +115,10 @@ class Engine(TextCalls):
             raise EngineError("invalid_event", f"session {session_id} is already open")
         pinned = len(prefix) if self.cache_cfg.pin_system_prompt else 0
         s = EngineSession(session_id, self.manager.new_seq(pinned), pinned, last_active=self.clock())
+        self.sessions[session_id] = s
         if prefix:
             s.pending.append(Pending(prefix))
-        self.sessions[session_id] = s
+            self.scheduler.activate(s)
         return s
 
     def restore_transcript(self, c: api.RestoreTranscript) -> int:
@@ -133,6 +134,7 @@ class Engine(TextCalls):
         s.open_item, s.num_items = c.open_item, c.num_items
         if keep:
             s.pending.append(Pending(list(keep)))
+            self.scheduler.activate(s)
         return len(tokens)
 
     def set_prefix(self, session_id: str, prefix: list[int]) -> None:
@@ -163,7 +165,7 @@ class Engine(TextCalls):
         self._check_load(num_tokens)
 
     def _check_load(self, num_tokens: int) -> None:
-        total = sum(v.queued_tokens for v in self.sessions.values())
+        total = sum(v.queued_tokens for v in self.scheduler.active.values())  # idle sessions queue nothing
         if total + num_tokens > self.sched_cfg.max_pending_tokens:
             raise EngineError("overloaded", f"the daemon has {total} tokens waiting to enter the cache; "
                                             f"retry later")
@@ -192,6 +194,7 @@ class Engine(TextCalls):
 
     def _queue(self, s: EngineSession, work: Pending) -> None:
         self.placer.wake(s)
+        self.scheduler.activate(s)
         if s.response is not None:
             s.deferred.append(work)  # joins the context after the running response
         else:
@@ -219,6 +222,7 @@ class Engine(TextCalls):
         s.pending.append(Pending(r.instructions + self.chat.reply_prompt(), starts_response=True))
         s.num_items += 1  # the reply is an item of the conversation too
         s.response = r
+        self.scheduler.activate(s)
 
     def cancel_response(self, session_id: str) -> list[EngineEvent]:
         """Stop the running response; [] if none runs."""
@@ -237,6 +241,7 @@ class Engine(TextCalls):
         events = self.stepper.finish(s, "incomplete", "client_disconnected") if s.response else []
         self.placer.forget(s, delete_file=not keep_saved)
         del self.sessions[session_id]
+        self.scheduler.active.pop(session_id, None)
         return events
 
     def session_stats(self, session_id: str) -> api.SessionStats:
@@ -264,17 +269,22 @@ class Engine(TextCalls):
 
     def has_work(self) -> bool:
         """A step would do something (sessions whose file is still being read wait for it)."""
-        return any(s.runnable for s in self.sessions.values())
+        return any(s.runnable for s in self.scheduler.active.values())
 
     def step(self) -> list[EngineEvent]:
         self.placer.take_loads()
         events, self.command_events = self.command_events, []
-        return events + self.stepper.step()
+        events += self.stepper.step()
+        self.scheduler.prune()
+        return events
 
     def check(self) -> None:
-        """Assert the pool and every session's table agree, and the tiers hold what they say."""
+        """Assert the pool and every session's table agree, the tiers hold what they say, and every
+        session with work is among the active ones."""
         self.manager.check([s.seq for s in self.sessions.values()])
         self.placer.check()
+        busy = {sid for sid, s in self.sessions.items() if s.busy}
+        assert busy <= set(self.scheduler.active), busy - set(self.scheduler.active)
 
 
 def _eos_ids(hf_config, tokenizer) -> set[int]:

@@ -33,12 +33,13 @@ DEVICE, HOST, DISK, DROPPED = Residency.DEVICE, Residency.HOST, Residency.DISK, 
 
 class Placer:
     def __init__(self, manager, pager: Pager | None, sessions: dict[str, EngineSession], stats,
-                 sync_io: bool = True) -> None:
+                 sync_io: bool = True, activate: Callable[[EngineSession], None] = lambda s: None) -> None:
         self.manager = manager
         self.pager = pager
         self.sessions = sessions  # the engine's table of sessions (read here, never added to)
         self.stats = stats  # the scheduler's: idle drops
         self.sync_io = sync_io
+        self.activate = activate  # the scheduler's: a session given work here is stepped
         self.notify: Callable[[], None] = lambda: None  # wakes the core's loop when a read finished
         self._loads: dict[str, int] = {}  # session id -> the read in flight for it
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # (session id, read no, then, result)
@@ -201,6 +202,7 @@ class Placer:
         self._discard(s)
         if s.dropped_tokens:
             s.pending.appendleft(Pending(s.dropped_tokens))
+            self.activate(s)
         s.residency, s.dropped_tokens = DEVICE, []
 
     # -- file reads -----------------------------------------------------------------------
@@ -264,6 +266,7 @@ class Placer:
         s.pending.clear()
         s.pending.append(Pending(prefix + tail))
         s.pending.extend(queued)
+        self.activate(s)
 
     def rebuild(self, s: EngineSession) -> None:
         """Recompute the session's KV from its tokens (after a failed step: its cache is not trusted)."""

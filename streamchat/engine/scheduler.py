@@ -46,7 +46,10 @@ class Scheduler:
         self.manager = manager
         self.stats = SchedulerStats()
         self.sessions = sessions if sessions is not None else {}
-        self.placer = Placer(manager, pager, self.sessions, self.stats, sync_io)
+        # sessions with work (queued tokens or a response), in the order they got it: what a step looks at,
+        # so idle sessions cost a step nothing however many there are
+        self.active: dict[str, EngineSession] = {}
+        self.placer = Placer(manager, pager, self.sessions, self.stats, sync_io, self.activate)
         self._rr = 0  # round-robin start for prefill
         self.costs = StepCosts()  # learned from every step the engine runs
         self.clock = time.monotonic
@@ -54,6 +57,15 @@ class Scheduler:
     @property
     def pager(self):
         return self.placer.pager
+
+    def activate(self, s: EngineSession) -> None:
+        """`s` has work now: the steps look at it until it has none."""
+        self.active.setdefault(s.session_id, s)
+
+    def prune(self) -> None:
+        """Forget the sessions whose work is done (or that were closed)."""
+        for sid in [sid for sid, s in self.active.items() if not s.busy or self.sessions.get(sid) is not s]:
+            del self.active[sid]
 
     def schedule(self, sessions: list[EngineSession]) -> Scheduled:
         """Pick this step's work. `sessions` is in arrival order (oldest first); only those whose

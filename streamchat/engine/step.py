@@ -35,7 +35,7 @@ class Stepper:
         events = self.expire()
         owners: list[EngineSession] = []
         try:
-            sched = eng.scheduler.schedule(list(eng.sessions.values()))
+            sched = eng.scheduler.schedule(list(eng.scheduler.active.values()))
             owners = sched.owners
             if not sched.batch:  # work served entirely from the prefix cache still completes
                 eng.failed_steps = 0
@@ -79,7 +79,7 @@ class Stepper:
         seen: set[str] = set()
         # owners of a step that failed in scheduling are unknown: every session with a running
         # response may hold a half-placed chunk, so all of those are rebuilt too
-        suspects = owners or [s for s in eng.sessions.values() if s.response is not None]
+        suspects = owners or [s for s in eng.scheduler.active.values() if s.response is not None]
         for s in suspects:
             if s.session_id in seen or s.session_id not in eng.sessions:
                 continue
@@ -99,7 +99,7 @@ class Stepper:
         eng = self.eng
         now, limit = eng.clock(), eng.sched_cfg.queue_timeout_s
         events: list[EngineEvent] = []
-        for s in list(eng.sessions.values()):
+        for s in list(eng.scheduler.active.values()):
             r = s.response
             if r and r.first_token_at is None and now - max(r.created_at, s.progressed_at) > limit:
                 events += self.finish(s, "failed", "overloaded")

@@ -10,19 +10,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
+
+# Alembic keeps the running migration's context in module globals (env.py reads `alembic.context`), so
+# two stores of one process migrating at once would run each other's scripts: one migration at a time.
+_alembic_lock = threading.RLock()
 
 
 @contextlib.contextmanager
 def _quiet_alembic():
-    """Alembic's INFO lines (plugins set up, the SQLite impl, each revision run) say nothing an
-    operator acts on; its warnings still show."""
+    """One alembic call at a time in this process, without alembic's INFO lines (plugins set up, the
+    SQLite impl, each revision run): they say nothing an operator acts on; its warnings still show."""
     alembic_log = logging.getLogger("alembic")
-    level = alembic_log.level
-    alembic_log.setLevel(max(logging.WARNING, level))
-    try:
-        yield
-    finally:
-        alembic_log.setLevel(level)
+    with _alembic_lock:
+        level = alembic_log.level
+        alembic_log.setLevel(max(logging.WARNING, level))
+        try:
+            yield
+        finally:
+            alembic_log.setLevel(level)
 
 
 with _quiet_alembic():  # importing alembic logs a line per plugin it sets up

@@ -1,6 +1,7 @@
 """Tests of the tier moves on a tiny pool without a model: the placer decides, the pager copies and refuses bad files."""
 
 import logging
+import threading
 import time
 
 import pytest
@@ -132,8 +133,11 @@ def test_a_file_read_off_the_loop_lands_only_when_taken(tmp_path):
     """sync_io off (the engine core): a disk session's file is read on the reader thread; the session stays on
     disk, loading, until `take_loads` lands it between steps."""
     placer = make_placer(tmp_path, host_blocks=0, sync_io=False)
-    woken = []
+    woken, readers = [], []
     placer.notify = lambda: woken.append(1)
+    disk = placer.pager.disk
+    load = disk.load
+    disk.load = lambda *a, **k: (readers.append(threading.current_thread().name), load(*a, **k))[1]
     a = session(placer, "a", 40)
     kv_a = kv_of(placer, a.seq.block_ids)
     placer.page_out(a)
@@ -146,6 +150,7 @@ def test_a_file_read_off_the_loop_lands_only_when_taken(tmp_path):
             break
         time.sleep(0.01)
     assert woken and placer.take_loads() == 1
+    assert readers == ["streamchat-disk-reader"]  # the file was read and checked off the calling thread
     assert a.resident and not a.loading and not placer.reading
     assert all(torch.equal(x, y) for x, y in zip(kv_of(placer, a.seq.block_ids), kv_a))
     placer.check()
