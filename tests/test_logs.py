@@ -77,28 +77,3 @@ def test_block_aligns_rows():
     """The start-up block: a title, then `name  value` rows aligned on the longest name."""
     assert logs.block("ready", {"model": "m", "kv pool": "3 blocks"}) == "ready\n  model    m\n  kv pool  3 blocks"
 
-
-def test_stores_migrating_on_several_threads_restore_alembic_level(tmp_path):
-    """Stores of one process migrating at once (daemons of a test, a fleet) each reach head, and leave
-    alembic's level as they found it."""
-    import threading
-
-    from streamchat.store import Store
-
-    logging.getLogger("alembic").setLevel(logging.NOTSET)
-    stores = [Store(f"sqlite:///{tmp_path / f'{i}.db'}") for i in range(4)]
-    failed = []
-
-    def migrate(store):
-        try:
-            store.migrate()
-        except Exception as e:  # noqa: BLE001 - collected and asserted below
-            failed.append(e)
-
-    threads = [threading.Thread(target=migrate, args=(s,)) for s in stores]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failed, failed
-    assert logging.getLogger("alembic").level == logging.NOTSET

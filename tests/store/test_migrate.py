@@ -228,13 +228,9 @@ def test_postgresql_synchronous_commit_forced_on(pg_url: str) -> None:
             )
 
 
-def test_daemons_started_together_migrate_once(pg_url: str) -> None:
-    """Four stores migrating one fresh PostgreSQL database at once all succeed: the advisory lock serialises them.
-
-    (A fleet's daemons start together; SQLite serves one daemon.)
-    """
-    stores = [Store(pg_url) for _ in range(4)]
-    start = threading.Barrier(4)
+def migrate_at_once(stores: list[Store]) -> list[BaseException]:
+    """Migrate every store on its own thread, all starting together; what they raised."""
+    start = threading.Barrier(len(stores))
     errors: list[BaseException] = []
 
     def migrate(store: Store) -> None:
@@ -249,7 +245,28 @@ def test_daemons_started_together_migrate_once(pg_url: str) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert errors == []
+    return errors
+
+
+def test_daemons_started_together_migrate_once(pg_url: str) -> None:
+    """Four stores migrating one fresh PostgreSQL database at once all succeed: the advisory lock serialises them.
+
+    (A fleet's daemons start together; SQLite serves one daemon.)
+    """
+    stores = [Store(pg_url) for _ in range(4)]
+    assert migrate_at_once(stores) == []
     assert current_revision(stores[0].engine) == "0003" and set(inspect(stores[0].engine).get_table_names()) == TABLES
+    for s in stores:
+        s.close()
+
+
+def test_stores_of_one_process_migrate_at_once(tmp_path: Path) -> None:
+    """Stores of one process migrating their own files at once (the daemons of a test) each reach head, and
+    alembic's log level is left as found: alembic's running context is module-global, so they take turns."""
+    logging.getLogger("alembic").setLevel(logging.NOTSET)
+    stores = [Store(f"sqlite:///{tmp_path / f'{i}.db'}") for i in range(4)]
+    assert migrate_at_once(stores) == []
+    assert all(current_revision(s.engine) == "0003" for s in stores)
+    assert logging.getLogger("alembic").level == logging.NOTSET
     for s in stores:
         s.close()
