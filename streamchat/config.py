@@ -62,6 +62,7 @@ class CacheConfig:
     sink_tokens: int = 4  # rounded up to whole blocks
     window_tokens: int = 2048  # rounded up to whole blocks
     pin_system_prompt: bool = True  # the system prompt joins the sinks
+    max_instructions_tokens: int = 1024  # a system prompt (framed) longer than this is refused
     prefix_sharing: bool = True
     kv_dtype: str = "auto"
     # Each session's eviction policy (the default for every session): sink_window evicts the
@@ -79,6 +80,7 @@ class CacheConfig:
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         _positive("sink_tokens", self.sink_tokens)
         _positive("window_tokens", self.window_tokens)
+        _positive("max_instructions_tokens", self.max_instructions_tokens)
         if self.window_tokens < 2 * self.block_size:
             raise ConfigError(
                 f"window_tokens ({self.window_tokens}) must hold at least two blocks "

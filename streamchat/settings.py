@@ -43,6 +43,9 @@ HELP = {
     "host_tier_gib": "host memory for idle sessions' KV blocks (pinned on CUDA; 0: off)",
     "disk_tier_gib": "size budget of the data directory of saved sessions, least recently used deleted first (0: off)",
     "data_dir": "where saved sessions go (default: next to the SQLite file, else $XDG_DATA_HOME/streamchat/kv)",
+    "max_instructions_tokens": "tokens a system prompt (session instructions, a turn's instructions, an HTTP "
+                               "request's system messages), framed, may have; longer ones are refused "
+                               "instructions_too_long",
     "max_pending_tokens_per_session": "tokens one session may have queued before they are in the cache",
     "max_pending_tokens": "tokens all sessions together may have queued (past it: overloaded)",
     "max_failed_steps": "engine steps failing in a row before the engine core gives up (and is restarted)",

@@ -20,6 +20,7 @@ from streamchat.cache.block_pool import BlockPool
 from streamchat.cache.manager import H2O, KVCacheManager
 from streamchat.config import CacheConfig, ConfigError, SchedulerConfig, TierConfig
 from streamchat.engine import api
+from streamchat.engine.admission import Admission
 from streamchat.engine.api import EngineError
 from streamchat.engine.events import EngineEvent
 from streamchat.engine.metrics import EngineMetrics
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineError"]
 
 
-class Engine(TextCalls):
+class Engine(TextCalls, Admission):
     def __init__(self, runner, cache: CacheConfig, scheduler: SchedulerConfig,
                  metrics: EngineMetrics | None = None, clock=time.monotonic,
                  tiers: TierConfig | None = None, data_dir=None, sync_io: bool = True) -> None:
@@ -113,6 +114,7 @@ class Engine(TextCalls):
         """A new session whose context starts with `prefix` (pinned as the system prompt)."""
         if session_id in self.sessions:
             raise EngineError("invalid_event", f"session {session_id} is already open")
+        self.check_instructions(len(prefix), pinned=True)
         pinned = len(prefix) if self.cache_cfg.pin_system_prompt else 0
         s = EngineSession(session_id, self.manager.new_seq(pinned), pinned, last_active=self.clock())
         self.sessions[session_id] = s
@@ -127,6 +129,7 @@ class Engine(TextCalls):
         Returns the transcript's length. `admit`: new work, refused `overloaded` past the limit."""
         tokens = c.tokens
         keep = tokens[max(0, len(tokens) - (self.manager.window_cap - self.cache_cfg.block_size)):]
+        self.check_instructions(len(c.prefix), pinned=True)
         if c.admit:
             self._check_load(len(keep) + len(c.prefix))
         s = self.open(c.session_id, list(c.prefix))
@@ -145,6 +148,8 @@ class Engine(TextCalls):
         s = self._get(session_id)
         if s.response is not None:
             raise EngineError("conversation_already_has_active_response", "a response is running")
+        self.check_instructions(len(prefix), pinned=True)
+        self._check_load(len(prefix))  # the whole context is rebuilt behind it: the prompt is new work
         self.placer.changed(s)
         self.placer.reset(s, len(prefix) if self.cache_cfg.pin_system_prompt else 0, prefix)
 
@@ -154,21 +159,6 @@ class Engine(TextCalls):
         sink = s.seq.num_sink_blocks * self.cache_cfg.block_size
         total = len(s.seq.token_ids if s.resident else s.dropped_tokens) + s.queued_tokens
         return min(total, sink + self.manager.window_cap)
-
-    def check_room(self, s: EngineSession, num_tokens: int) -> None:
-        lim = self.sched_cfg
-        if s.queued_tokens + num_tokens > lim.max_pending_tokens_per_session:
-            raise EngineError("pending_limit_exceeded",
-                              f"this session already has {s.queued_tokens} tokens waiting to enter the cache; "
-                              f"at most {lim.max_pending_tokens_per_session} may wait; "
-                              f"send more after conversation.item.done")
-        self._check_load(num_tokens)
-
-    def _check_load(self, num_tokens: int) -> None:
-        total = sum(v.queued_tokens for v in self.scheduler.active.values())  # idle sessions queue nothing
-        if total + num_tokens > self.sched_cfg.max_pending_tokens:
-            raise EngineError("overloaded", f"the daemon has {total} tokens waiting to enter the cache; "
-                                            f"retry later")
 
     def queue(self, c: api.Queue) -> int:
         """Queue tokens the store holds now; returns the context after them."""
@@ -209,6 +199,9 @@ class Engine(TextCalls):
         if s.response is not None:
             raise EngineError("conversation_already_has_active_response",
                               "a response is already running in this session")
+        if c.instructions:  # refused before anything changes
+            self.check_instructions(len(c.instructions), pinned=False)
+            self.check_room(s, len(c.instructions) + len(c.close))
         if c.close:
             if not s.open_item:
                 raise EngineError("invalid_event", "no open item to close")

@@ -34,16 +34,14 @@ DEVICE, HOST, DISK, DROPPED = Residency.DEVICE, Residency.HOST, Residency.DISK, 
 class Placer:
     def __init__(self, manager, pager: Pager | None, sessions: dict[str, EngineSession], stats,
                  sync_io: bool = True, activate: Callable[[EngineSession], None] = lambda s: None) -> None:
-        self.manager = manager
-        self.pager = pager
+        self.manager, self.pager, self.sync_io = manager, pager, sync_io
         self.sessions = sessions  # the engine's table of sessions (read here, never added to)
         self.stats = stats  # the scheduler's: idle drops
-        self.sync_io = sync_io
         self.activate = activate  # the scheduler's: a session given work here is stepped
         self.notify: Callable[[], None] = lambda: None  # wakes the core's loop when a read finished
         self._loads: dict[str, int] = {}  # session id -> the read in flight for it
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # (session id, read no, then, result)
-        self._reads = 0
+        self._reads = 0  # reads started
         self._coming_up: str | None = None  # a session landing from the host: its copy must stay there
 
     # -- saved copies ---------------------------------------------------------------------

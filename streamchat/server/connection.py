@@ -26,9 +26,12 @@ from streamchat.server import events as ev
 from streamchat.server import protocol as p
 from streamchat.server.outbox import Outbox, SlowClient
 from streamchat.server.sessions import Hub, LiveSession, SessionNotFound
+from streamchat.server.streamed import StreamedText
 from streamchat.store import StoreError
 
 log = logging.getLogger(__name__)
+
+ORPHAN_WAIT_S = 10.0  # response.create waits this long for the reply of a client that left to wind down
 
 FAILURE_MESSAGES = {
     "overloaded": "no capacity to start this response; retry later",
@@ -49,6 +52,7 @@ class Connection:
         self.session: LiveSession | None = None
         self.tasks: set[asyncio.Task] = set()
         self.num_sessions = 0
+        self.closing = False  # the client has gone: what it started is being wound down
         self.submit = hub.submit
 
     async def run(self) -> None:
@@ -201,6 +205,11 @@ class Connection:
 
     async def on_ResponseCreate(self, e: p.ResponseCreate) -> None:
         s = self.session
+        if s.response_id is not None and getattr(s.response_owner, "closing", False):
+            try:  # a reply whose client left is being cancelled and stored: it ends in moments
+                await asyncio.wait_for(s.response_over.wait(), ORPHAN_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
         if s.response_id is not None:
             raise EngineError("conversation_already_has_active_response",
                               "a response is already running in this session")
@@ -218,7 +227,7 @@ class Connection:
         except BaseException:
             await self._forget_item(s, item_id)
             raise
-        s.response_id, s.response_owner = rid, self
+        s.running(rid, self)
         previous, s.last_item_id = s.last_item_id, item_id
         response = ev.response_object(rid, "in_progress", max_output_tokens=max_tokens)
         item = ev.item_object(item_id, "assistant", None, status="in_progress")
@@ -235,31 +244,39 @@ class Connection:
 
     async def _stream(self, s: LiveSession, rid: str, item_id: str, stream: asyncio.Queue,
                       max_tokens, previous) -> None:
+        saved = StreamedText(self.hub.store, s.id, item_id)  # what the client saw is stored as it streams
         try:
             while True:
                 out = await stream.get()
                 if isinstance(out, TextDelta):
                     self.send(ev.output_text_delta(rid, item_id, out.text))
+                    saved.add(out.text)
                 elif isinstance(out, ResponseFinished):
-                    await self._finish(s, rid, item_id, out, max_tokens, previous)
+                    await self._finish(s, rid, item_id, out, max_tokens, previous, saved)
                     return
         finally:
+            saved.discard()
             self.hub.engine.close_stream(rid)
             if s.response_id == rid:
-                s.response_id = s.response_owner = None
+                s.ended()
 
-    async def _finish(self, s, rid, item_id, out: ResponseFinished, max_tokens, previous) -> None:
+    async def _finish(self, s, rid, item_id, out: ResponseFinished, max_tokens, previous,
+                      saved: StreamedText) -> None:
         status, reason = out.status, out.reason
         # cut short by a cancel, a disconnect or shutdown: stored as far as it went, incomplete
         store_status = status if status in ("completed", "failed") else "incomplete"
         try:
-            await self.hub.store.finish_item(s.id, item_id, text=out.text, status=store_status,
+            tail = await saved.close()
+            whole = saved.failed or saved.text != out.text  # else the row holds all but the tail
+            if tail and not whole:
+                await self.hub.store.append_text(s.id, item_id, tail, 0)
+            await self.hub.store.finish_item(s.id, item_id, text=out.text if whole else None, status=store_status,
                                              num_tokens=out.usage.output_tokens if out.usage else 0)
         except StoreError as exc:
             log.error("session %s: response %s could not be stored: %s", s.id, rid, exc)
             status, reason = "failed", exc.code
             await self.hub.restore.rebuild(s)  # the engine heard a reply the transcript lacks
-        s.response_id = s.response_owner = None
+        s.ended()
         item_status = "completed" if status == "completed" else "incomplete"
         item = ev.item_object(item_id, "assistant", out.text, status=item_status)
         error = None
@@ -290,6 +307,7 @@ class Connection:
     # -- teardown -------------------------------------------------------------------------
 
     async def _cleanup(self, writer: asyncio.Task) -> None:
+        self.closing = True
         s = self.session
         if s is not None:
             if s.response_id is not None and s.response_owner is self:

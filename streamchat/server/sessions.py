@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Hub", "LiveSession", "SessionNotFound", "transcript_mark", "transcript_messages"]
 OFF_LOOP_CHARS = 4096  # longer texts are tokenized on a worker thread, not the event loop
+# no token of a model we serve spans more characters than this (SmolLM2: 81), so a text longer than
+# limit * MAX_CHARS_PER_TOKEN has more than `limit` tokens, known without tokenizing it
+MAX_CHARS_PER_TOKEN = 128
 
 
 @dataclass
@@ -46,10 +49,19 @@ class LiveSession:
     open_item_chars: int = 0  # characters appended to the open item by this daemon
     response_id: str | None = None
     response_owner: object = None  # the connection that asked for the running response
+    response_over: asyncio.Event = field(default_factory=asyncio.Event)  # set when none runs
     attached: int = 0
     detached_at: float = 0.0  # when the last connection let go (monotonic)
     epoch: int = 0  # the engine core it is open in (CoreClient.epoch); older: it must come back first
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def running(self, rid: str, owner) -> None:
+        self.response_id, self.response_owner = rid, owner
+        self.response_over.clear()
+
+    def ended(self) -> None:
+        self.response_id = self.response_owner = None
+        self.response_over.set()
 
 
 class Hub:
@@ -75,6 +87,23 @@ class Hub:
         if sum(len(a) for a in args if isinstance(a, str)) > OFF_LOOP_CHARS:
             return tuple(await asyncio.to_thread(fn, *args))
         return tuple(fn(*args))
+
+    async def instruction_tokens(self, fn, *args) -> tuple[int, ...]:
+        """A system prompt framed by `fn`, refused `instructions_too_long` past the limit: by its length
+        in characters before any tokenizing (no token is longer than MAX_CHARS_PER_TOKEN), then by its
+        tokens (the engine checks again, and checks the pool)."""
+        limit = self.cache_cfg.max_instructions_tokens
+        chars = sum(len(a) for a in args if isinstance(a, str))
+        if chars > limit * MAX_CHARS_PER_TOKEN:
+            raise EngineError("instructions_too_long",
+                              f"the instructions are {chars} characters, far more than the {limit} tokens "
+                              "taken (--max-instructions-tokens); they were not read")
+        tokens = await self.tokens(fn, *args)
+        if len(tokens) > limit:
+            raise EngineError("instructions_too_long",
+                              f"the instructions are {len(tokens)} tokens with their framing; at most {limit} "
+                              "are taken (--max-instructions-tokens)")
+        return tokens
 
     def describe(self, s: LiveSession, with_token: bool = False) -> dict:
         return session_object(
@@ -131,7 +160,7 @@ class Hub:
         new_max = max_output_tokens if max_output_tokens is not None else s.max_output_tokens
         new_sampling = {**s.sampling, **(sampling or {})}
         self._resolve(new_sampling, {})  # refuses a value out of range before anything changes
-        prefix = await self.tokens(self.chat.system_prefix, new_instructions)
+        prefix = await self.instruction_tokens(self.chat.system_prefix, new_instructions)
         old = (s.instructions, s.max_output_tokens, s.sampling)
         s.instructions, s.max_output_tokens, s.sampling = new_instructions, new_max, new_sampling
         try:
@@ -206,7 +235,7 @@ class Hub:
 
     async def turn_tokens(self, s: LiveSession, instructions: str | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(this turn's framed instructions, the tokens closing the open append item)."""
-        turn = await self.tokens(self.chat.message, "system", instructions) if instructions else ()
+        turn = await self.instruction_tokens(self.chat.message, "system", instructions) if instructions else ()
         close = tuple(self.chat.close_message("user")) if s.open_item_id is not None else ()
         return turn, close
 
@@ -217,7 +246,7 @@ class Hub:
         conversation, and the prefix cache, not a transcript, makes its next request cheap.
         Refused `overloaded` past the daemon's pending limit."""
         session_id = new_id("http")
-        prefix = await self.tokens(self.chat.system_prefix, instructions)
+        prefix = await self.instruction_tokens(self.chat.system_prefix, instructions)
         body = await self._transcript(messages)
         await self.submit(api.RestoreTranscript(session_id, prefix, body, False, len(messages), admit=True))
         try:

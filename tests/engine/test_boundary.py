@@ -216,3 +216,34 @@ def test_turn_instructions_leave_the_context_when_the_response_ends(bundled_fp32
     assert all(live[i:i + len(system)] != system for i in range(len(live)))
     if eng.chat.encode(text) == list(fin.token_ids):  # the reply's tokens re-encode the same
         assert live == rebuilt
+
+
+def test_instructions_past_the_limit_or_the_pool_are_refused_and_change_nothing(bundled_fp32):
+    """A system prompt over --max-instructions-tokens is refused instructions_too_long when a session opens,
+    when it is set, and as one turn's instructions; one whose pinned blocks plus a window exceed the pool
+    too. Nothing is queued by a refusal, and the session still answers."""
+    cfg = Config(model=ModelConfig(dtype="float32"),
+                 cache=CacheConfig(num_blocks=64, window_tokens=512, max_instructions_tokens=600),
+                 scheduler=SchedulerConfig(queue_timeout_s=3600.0))
+    eng = LLM(cfg, loaded=bundled_fp32).engine
+    long_prompt = eng.chat.system_prefix("word " * 700)
+    with pytest.raises(EngineError) as err:
+        eng.handle(api.OpenSession("a", tuple(long_prompt)))
+    assert err.value.code == "instructions_too_long" and "--max-instructions-tokens" in str(err.value)
+    assert "a" not in eng.sessions
+    fits_limit_not_pool = eng.chat.system_prefix("word " * 500)  # 34 pinned blocks + 33 of window > 63
+    with pytest.raises(EngineError) as err:
+        eng.handle(api.OpenSession("a", tuple(fits_limit_not_pool)))
+    assert err.value.code == "instructions_too_long" and "pool" in str(err.value)
+    eng.handle(api.OpenSession("a", tuple(eng.chat.system_prefix("Be brief."))))
+    eng.add_item("a", "user", "Name a colour.")
+    for cmd in (api.SetInstructions("a", tuple(long_prompt)),
+                api.StartResponse("a", "r0", SamplingParams(), 8, tuple(eng.chat.message("system", "x " * 700)))):
+        queued = eng.sessions["a"].queued_tokens
+        with pytest.raises(EngineError) as err:
+            eng.handle(cmd)
+        assert err.value.code == "instructions_too_long"
+        assert eng.sessions["a"].queued_tokens == queued and eng.sessions["a"].response is None
+    eng.handle(api.StartResponse("a", "r1", SamplingParams(), 8))
+    assert run(eng, "r1").status in ("completed", "incomplete")
+    eng.check()

@@ -16,6 +16,15 @@ DAEMON_ARGS = ["--num-blocks", "400", "--window-tokens", "256", "--max-output-to
                "--max-text-chars", "20000", "--max-frame-bytes", "65536", "--num-threads", "2"]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the test run that started it dies (a killed or timed-out
+    pytest leaves no daemon behind to load the machine; its engine core follows it the same way)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class Daemon:
     """`streamchat serve` in a subprocess; `url` once it listens."""
 
@@ -30,7 +39,7 @@ class Daemon:
         cmd = [sys.executable, "-m", "streamchat", "serve", "--port", "0", "--database-url",
                f"sqlite:///{self.db_path}", *DAEMON_ARGS, *self.extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=self.env)
+                                     env=self.env, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         self.log = []
         while time.monotonic() < deadline:

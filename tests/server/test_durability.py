@@ -2,6 +2,7 @@
 
 import asyncio
 import signal
+import time
 
 import pytest
 from conftest import Client, Daemon
@@ -17,7 +18,9 @@ def user_item(text):
 
 
 def test_kill9_during_response_and_append_then_resume_from_transcript(tmp_path):
-    """Every acknowledged item survives SIGKILL; resume says `transcript` and the chat goes on."""
+    """Every acknowledged item survives SIGKILL, and of the reply streaming then, all the text sent more
+    than a second (plus half a second's slack for the write itself) before the kill; resume says
+    `transcript`, the cut reply is in the transcript, incomplete, and the chat goes on."""
     db = tmp_path / "s.db"
     d = Daemon(db).start()
 
@@ -31,16 +34,26 @@ def test_kill9_during_response_and_append_then_resume_from_transcript(tmp_path):
         await c.send({"type": "streamchat.input_text.append", "text": "The ship sails at dawn"})
         appended = await c.until("streamchat.input_text.appended")
         assert appended[-1]["tokens"] > 0
-        await c.send({"type": "response.create", "response": {"max_output_tokens": 200}})
-        await c.until("response.output_text.delta")
-        return sid, token
+        await c.send({"type": "response.create", "response": {"max_output_tokens": 256}})
+        seen = []  # (when, text so far)
+        while not seen or time.monotonic() - seen[0][0] < 2.5:
+            e = await c.recv()
+            assert e["type"] != "response.done", "the reply ended before the kill"
+            if e["type"] == "response.output_text.delta":
+                seen.append((time.monotonic(), (seen[-1][1] if seen else "") + e["delta"]))
+        return sid, token, seen
 
-    sid, token = asyncio.run(first())
+    sid, token, seen = asyncio.run(first())
     d.kill(signal.SIGKILL)
+    killed = time.monotonic()
     with Store(f"sqlite:///{db}") as store:
         items = store.items(sid)
         assert [(i.role, i.kind) for i in items][:2] == [("user", "message"), ("user", "append")]
         assert items[0].text == "My name is Ada." and items[1].text == "The ship sails at dawn"
+        reply = items[2].text
+    shown = seen[-1][1]
+    due = max((text for when, text in seen if when <= killed - 1.5), key=len)
+    assert shown.startswith(reply) and reply.startswith(due), (len(due), len(reply), len(shown))
     d2 = Daemon(db).start()
 
     async def second():
@@ -64,8 +77,9 @@ def test_kill9_during_response_and_append_then_resume_from_transcript(tmp_path):
     finally:
         d2.stop()
     with Store(f"sqlite:///{db}") as store:
-        statuses = [(i.kind, i.status) for i in store.items(sid)]
-    assert ("response", "incomplete") in statuses, "the response cut by the crash is stored incomplete"
+        items = store.items(sid)
+        statuses = [(i.kind, i.status) for i in items]
+    assert statuses[2] == ("response", "incomplete") and items[2].text == reply, "the cut reply, as stored"
     assert statuses[-1] == ("response", "completed") or statuses[-1] == ("response", "incomplete")
 
 
