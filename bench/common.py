@@ -88,6 +88,23 @@ def rounded(d: dict, digits: int = 3) -> dict:
     return r(d)
 
 
+def model_like_logits(rows: int, vocab: int, seed: int):
+    """(rows, vocab) float32 logits shaped like a small language model's (SmolLM2-135M at temperature 0.7,
+    top_p 0.9 keeps 1 to ~20 tokens): a Gaussian floor (sd 1.5) under a head of 400 random tokens whose
+    logits fall off as 1.5 log(rank), the head's top 12 to 22 above the floor. Seeded."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen) * 1.5
+    head = 400
+    falloff = 1.5 * torch.log(torch.arange(1, head + 1, dtype=torch.float32))
+    for r in range(rows):
+        ids = torch.randperm(vocab, generator=gen)[:head]
+        top = 12 + 10 * torch.rand((), generator=gen)
+        x[r, ids] = top - falloff + torch.randn(head, generator=gen)
+    return x
+
+
 def botchan_text() -> str:
     return BOTCHAN.read_text(encoding="utf-8-sig")
 

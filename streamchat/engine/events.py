@@ -21,12 +21,25 @@ class ItemPrefilled:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability (natural log, <= 0) and the most likely tokens' (id, logprob), most
+    likely first (ties: lower id first). See `streamchat.model.sampling_logprobs` for the distribution."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class NewTokens:
-    """Tokens a response sampled in one step, in order (never the end-of-sequence token)."""
+    """Tokens a response sampled in one step, in order (never the end-of-sequence token).
+
+    `logprobs`: one per token when the response asked for them, else empty.
+    """
 
     session_id: str
     response_id: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -41,12 +54,30 @@ class ResponseFinished:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token as the front reports it (front side): its text, its bytes, its log-probability, and for a
+    sampled token the most likely alternatives. `text` is `raw` as UTF-8, a partial character replaced."""
+
+    token_id: int
+    text: str
+    raw: bytes
+    logprob: float
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class TextDelta:
-    """New text of a response (front side): the deltas concatenated are its final text."""
+    """New text of a response (front side): the deltas concatenated are its final text.
+
+    `logprobs`: the tokens this delta's text came from, when the response
+    asked for them (a token holding part of a character brings its entry
+    with empty text; the text follows with a later token).
+    """
 
     session_id: str
     response_id: str
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 EngineEvent = ItemPrefilled | NewTokens | ResponseFinished

@@ -14,9 +14,9 @@ import logging
 import time
 
 from streamchat.engine import api
-from streamchat.engine.events import EngineEvent, ItemPrefilled, NewTokens, ResponseFinished
+from streamchat.engine.events import EngineEvent, ItemPrefilled, NewTokens, ResponseFinished, TokenLogprobs
 from streamchat.engine.session import EngineSession, Pending, Phase, Response
-from streamchat.model.sampling import REPETITION_WINDOW, TokenHistory, sample
+from streamchat.model.sampling import REPETITION_WINDOW, TokenHistory, sample, sample_with_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +44,8 @@ class Stepper:
             logits = self._execute(sched)
             events += [ItemPrefilled(s.session_id, t, s.seq.num_tokens) for s, t in sched.tickets]
             samplers = [o for o, c in zip(sched.owners, sched.batch.chunks()) if c.want_logits]
-            if samplers:
-                tokens = sample(logits, [o.response.params for o in samplers],
-                                [o.response.generator for o in samplers], _histories(samplers))
-                for s, token in zip(samplers, tokens):
-                    events += self.on_token(s, token)
+            for s, token, logprobs in _sample(logits, samplers):
+                events += self.on_token(s, token, logprobs)
             elapsed = time.perf_counter() - started
             eng.scheduler.costs.observe(sched.batch.num_tokens, sched.pairs, elapsed)
             eng.metrics.on_step(sched.batch.num_tokens, len(sched.batch.decode), elapsed)
@@ -105,7 +102,7 @@ class Stepper:
                 events += self.finish(s, "failed", "overloaded")
         return events
 
-    def on_token(self, s: EngineSession, token: int) -> list[EngineEvent]:
+    def on_token(self, s: EngineSession, token: int, logprobs: TokenLogprobs | None = None) -> list[EngineEvent]:
         eng, r = self.eng, s.response
         now = eng.clock()
         if r.phase is not Phase.DECODE:
@@ -120,7 +117,8 @@ class Stepper:
             return self.finish(s, "completed", None)
         r.output_ids.append(token)
         r.next_token = token
-        events: list[EngineEvent] = [NewTokens(s.session_id, r.response_id, (token,))]
+        events: list[EngineEvent] = [NewTokens(s.session_id, r.response_id, (token,),
+                                               () if logprobs is None else (logprobs,))]
         if r.max_tokens is not None and len(r.output_ids) >= r.max_tokens:
             return events + self.finish(s, "incomplete", "max_output_tokens")
         return events
@@ -164,6 +162,21 @@ class Stepper:
             context_tokens=s.seq.num_tokens, evicted_tokens=s.seq.evicted_tokens,
             ttft_ms=round((r.first_token_at - r.created_at) * 1000, 2) if r.first_token_at else None,
             output_tokens_per_s=round((out - 1) / gen_s, 2) if out > 1 and gen_s > 0 else None)
+
+
+def _sample(logits, samplers: list[EngineSession]) -> list[tuple[EngineSession, int, TokenLogprobs | None]]:
+    """Each sampling row's token, and its log-probabilities when its params ask (only then computed)."""
+    if not samplers:
+        return []
+    params = [s.response.params for s in samplers]
+    generators = [s.response.generator for s in samplers]
+    if all(p.logprobs is None for p in params):
+        return [(s, token, None) for s, token in zip(samplers, sample(logits, params, generators,
+                                                                       _histories(samplers)))]
+    drawn = sample_with_logprobs(logits, params, generators, _histories(samplers))
+    return [(s, d.token, None if d.logprobs is None else
+             TokenLogprobs(d.logprobs.logprob, tuple((t.token, t.logprob) for t in d.logprobs.top)))
+            for s, d in zip(samplers, drawn)]
 
 
 def _histories(samplers: list[EngineSession]) -> list[TokenHistory] | None:

@@ -5,15 +5,21 @@ with (its `generation_config.json`, else `DEFAULT_PARAMS`, chosen with
 `bench/replies.py`), and `resolve_params`, the one rule that merges model
 defaults, session defaults and a response's own fields. Torch-free, so the
 server, the CLI and their tests use it without loading torch;
-`streamchat.model.sampling` applies the params to logits. Knows nothing of
-the wire: the protocol parser repeats the ranges, and a test keeps the two
-copies equal.
+`streamchat.model.sampling` applies the params to logits. `RULES` is the
+one table of what each field admits: `validate()` checks params with it,
+and both wires (the websocket's response.create and session.update, the
+HTTP API's chat completions) read their sampling fields with `read_fields`,
+which applies it and names the field at fault (`FieldError`).
 
 Ranges, all refused with ValueError outside them (NaN, infinities and bools
 included): temperature [0, 2], top_p (0, 1], top_k an int in [0, 2^63-1]
 (0: off), seed None or an int in [-2^63, 2^63-1], frequency_penalty and
 presence_penalty [-2, 2] (OpenAI's), repetition_penalty (0, 10] (1: off),
-min_p [0, 1] (0: off).
+min_p [0, 1] (0: off), logit_bias at most 300 (token id, bias) pairs sorted
+by id, each id an int >= 0 and each bias in [-100, 100] (OpenAI's), and
+logprobs None or an int in [0, 20] (OpenAI's top_logprobs). Token ids at or
+past the vocabulary are refused only by `validate(vocab_size)`: the params
+know no model.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,10 @@ REPETITION_PENALTY_MAX = 10.0  # 10 already divides a seen token's logit tenfold
 # two), short enough that the words of the question itself (the user's
 # "cat") are not punished for the whole reply.
 REPETITION_WINDOW = 64
+LOGIT_BIAS_MAX = 100.0  # |bias|: OpenAI's range; -100 bans a token in effect, +100 forces it
+LOGIT_BIAS_MAX_ENTRIES = 300  # OpenAI's limit on one request's map
+TOP_LOGPROBS_MAX = 20  # OpenAI's top_logprobs range is [0, 20]
+_TOKEN_ID = re.compile(r"[0-9]+")  # a JSON object's key naming a token id: ASCII digits only
 
 
 @dataclass(frozen=True)
@@ -66,19 +78,22 @@ class SamplingParams:
     presence_penalty: float = 0.0  # logit -= p if in the reply so far
     repetition_penalty: float = 1.0  # seen in the last REPETITION_WINDOW tokens: logit / r if > 0, else * r
     min_p: float = 0.0  # keep tokens with p >= min_p * p_max; 0: off
+    # (token id, bias) pairs, ids increasing: bias added to the raw logit before anything else
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: report no log-probabilities; k: the chosen token's and the k most likely tokens'
+    logprobs: int | None = None
 
-    def validate(self) -> "SamplingParams":
-        """Returns self, or raises ValueError for a value outside the admitted ranges."""
-        _check_range(self.temperature, "temperature", 0.0, TEMPERATURE_MAX)
-        _check_range(self.top_p, "top_p", 0.0, 1.0, low_open=True)
-        if not _is_int(self.top_k) or not 0 <= self.top_k <= TOP_K_MAX:
-            raise ValueError(f"top_k must be an integer in [0, 2^63-1], got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"seed must be an integer in [-2^63, 2^63-1], got {self.seed!r}")
-        _check_range(self.frequency_penalty, "frequency_penalty", -PENALTY_MAX, PENALTY_MAX)
-        _check_range(self.presence_penalty, "presence_penalty", -PENALTY_MAX, PENALTY_MAX)
-        _check_range(self.repetition_penalty, "repetition_penalty", 0.0, REPETITION_PENALTY_MAX, low_open=True)
-        _check_range(self.min_p, "min_p", 0.0, 1.0)
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Returns self, or raises ValueError for a value outside the admitted ranges.
+
+        With `vocab_size`, also refuses a logit_bias id at or past it (the
+        sampler itself ignores such ids).
+        """
+        for name in _CHECKED:
+            value = getattr(self, name)
+            if value is not None or name not in _OPTIONAL:
+                RULES[name].check(name, value)
+        _check_logit_bias(self.logit_bias, vocab_size)
         return self
 
     @property
@@ -91,7 +106,13 @@ class SamplingParams:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 
 
-SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
+# The per-request fields of OpenAI's API: a response (or a session) sets them by
+# name like the others, but no CLI flag or generation_config.json does.
+REQUEST_FIELDS = ("logit_bias", "logprobs")
+# The numeric knobs every front sets by name (CLI flags, session defaults,
+# response fields); resolve_params takes these and REQUEST_FIELDS.
+SAMPLING_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(SamplingParams) if f.name not in REQUEST_FIELDS)
 
 # The serving default when the model's folder says nothing (the bundled GGUF
 # never does). Chosen with bench/replies.py on the bundled SmolLM2-135M-Instruct,
@@ -104,19 +125,157 @@ DEFAULT_PARAMS = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
 
 
+class FieldError(ValueError):
+    """A sampling field's value is refused: `field` names it as the request spelled it, str() says why."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field} {problem}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one field admits: a finite number (int or float; an int alone if `integer`) in [low, high], or
+    (low, high] if `low_open`. Bools are never numbers."""
+
+    low: float
+    high: float
+    integer: bool = False
+    low_open: bool = False
+
+    def admits(self, value: object) -> bool:
+        if not (_is_int(value) or (not self.integer and isinstance(value, float) and math.isfinite(value))):
+            return False
+        return (self.low < value if self.low_open else self.low <= value) and value <= self.high  # type: ignore
+
+    def check(self, name: str, value: object) -> None:
+        """FieldError naming `name` unless the value is admitted."""
+        if not self.admits(value):
+            kind = "an integer" if self.integer else "a number"
+            interval = f"{'(' if self.low_open else '['}{_bound(self.low)}, {_bound(self.high)}]"
+            raise FieldError(name, f"must be {kind} in {interval}, got {value!r}")
+
+    def read(self, name: str, value: object) -> float | int:
+        """An admitted value as params keep it: an int for an integer field, else a float (-0.0 as 0.0)."""
+        self.check(name, value)
+        return value if self.integer else float(value) + 0.0  # type: ignore[arg-type,return-value]
+
+
+# The one table of admitted values, by SamplingParams name. The wires read `top_logprobs` with
+# RULES["logprobs"], and each logit_bias value with RULES["logit_bias"].
+RULES: Mapping[str, Rule] = MappingProxyType({
+    "temperature": Rule(0.0, TEMPERATURE_MAX),
+    "top_p": Rule(0.0, 1.0, low_open=True),
+    "top_k": Rule(0, TOP_K_MAX, integer=True),
+    "seed": Rule(SEED_MIN, SEED_MAX, integer=True),
+    "frequency_penalty": Rule(-PENALTY_MAX, PENALTY_MAX),
+    "presence_penalty": Rule(-PENALTY_MAX, PENALTY_MAX),
+    "repetition_penalty": Rule(0.0, REPETITION_PENALTY_MAX, low_open=True),
+    "min_p": Rule(0.0, 1.0),
+    "logit_bias": Rule(-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX),
+    "logprobs": Rule(0, TOP_LOGPROBS_MAX, integer=True),
+})
+_CHECKED = ("temperature", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty",
+            "repetition_penalty", "min_p", "logprobs")
+_OPTIONAL = ("seed", "logprobs")  # None: unset
+# The JSON names of the sampling fields a request may carry, each read by `read_fields`.
+WIRE_FIELDS = ("temperature", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty",
+               "repetition_penalty", "min_p", "logit_bias", "logprobs", "top_logprobs")
+
+
+def _bound(value: float) -> str:
+    return {INT64_MAX: "2^63-1", INT64_MIN: "-2^63"}.get(value, f"{value:g}")  # type: ignore[call-overload]
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_real(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+def read_fields(doc: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """The sampling fields a request body sets among `names` (JSON names of WIRE_FIELDS), checked, by
+    SamplingParams name. JSON null is unset. FieldError names the first field at fault.
+
+    OpenAI's shapes: `logit_bias` an object of token id (a string of digits)
+    to bias; `logprobs` a boolean, true to report the chosen tokens' log-
+    probabilities, with `top_logprobs` (0..20, only with `logprobs: true`)
+    alternatives each: the params' `logprobs` is that count.
+    """
+    fields: dict[str, Any] = {}
+    for name in names:
+        value = doc.get(name)
+        if value is None or name in ("logprobs", "top_logprobs"):
+            continue
+        fields[name] = _logit_bias(value) if name == "logit_bias" else RULES[name].read(name, value)
+    if "logprobs" in names:
+        _logprobs(doc, fields)
+    return fields
 
 
-def _check_range(value: object, name: str, low: float, high: float, *, low_open: bool = False) -> None:
-    """ValueError unless value is a finite int or float in the interval (bools refused)."""
-    if not _is_real(value) or not (low < value if low_open else low <= value) or not value <= high:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ValueError(f"{name} must be in {interval}, got {value!r}")
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    if not isinstance(value, Mapping):
+        raise FieldError("logit_bias", "must be an object of token ids to biases")
+    try:
+        pairs = logit_bias_pairs(value)
+    except ValueError as exc:
+        raise FieldError("logit_bias", str(exc).removeprefix("logit_bias ")) from None
+    _check_logit_bias(pairs, None)
+    return tuple((token, float(bias) + 0.0) for token, bias in pairs)
+
+
+def _logprobs(doc: Mapping[str, Any], fields: dict[str, Any]) -> None:
+    wanted, top = doc.get("logprobs"), doc.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise FieldError("logprobs", f"must be a boolean, got {wanted!r}")
+    if top is not None:
+        top = RULES["logprobs"].read("top_logprobs", top)
+        if not wanted:
+            raise FieldError("top_logprobs", "needs logprobs: true")
+    if wanted:
+        fields["logprobs"] = top or 0
+
+
+def _check_logit_bias(pairs: object, vocab_size: int | None) -> None:
+    """FieldError("logit_bias") unless `pairs` is a tuple of at most 300 (id, bias) pairs, ids increasing
+    ints >= 0 (below `vocab_size` when given), biases admitted by RULES["logit_bias"]."""
+    if not isinstance(pairs, tuple):
+        raise FieldError("logit_bias", f"must be a tuple of (token id, bias) pairs (logit_bias_pairs() makes one "
+                                       f"from a mapping), got {type(pairs).__name__}")
+    if len(pairs) > LOGIT_BIAS_MAX_ENTRIES:
+        raise FieldError("logit_bias", f"may name at most {LOGIT_BIAS_MAX_ENTRIES} tokens, got {len(pairs)}")
+    previous = -1
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise FieldError("logit_bias", f"entries must be (token id, bias) pairs, got {pair!r}")
+        token, bias = pair
+        if not _is_int(token) or not previous < token <= INT64_MAX:
+            raise FieldError("logit_bias", f"token ids must be increasing integers >= 0, got {token!r} after "
+                                           f"{previous}")
+        if vocab_size is not None and token >= vocab_size:
+            raise FieldError("logit_bias", f"token id {token} is outside the vocabulary ({vocab_size} tokens)")
+        if not RULES["logit_bias"].admits(bias):
+            raise FieldError("logit_bias", f"values must be numbers in [-100, 100], got {bias!r} for token {token}")
+        previous = token
+
+
+def logit_bias_pairs(mapping: Mapping[int | str, Any]) -> tuple[tuple[int, Any], ...]:
+    """A logit_bias map as OpenAI's JSON sends it ({"50256": -100}; int keys too) -> SamplingParams' pairs.
+
+    ValueError for a key that is not a token id (ASCII digits, or an int >= 0)
+    or that names a token twice ("7" and "07"). The biases are checked by
+    `validate()`.
+    """
+    pairs: dict[int, Any] = {}
+    for key, bias in mapping.items():
+        if isinstance(key, str) and _TOKEN_ID.fullmatch(key):
+            token = int(key)
+        elif _is_int(key) and key >= 0:
+            token = key
+        else:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        if token in pairs:
+            raise ValueError(f"logit_bias names token {token} twice")
+        pairs[token] = bias
+    return tuple(sorted(pairs.items()))
 
 
 def resolve_params(model_defaults: SamplingParams, session_defaults: Mapping[str, Any],
@@ -124,15 +283,19 @@ def resolve_params(model_defaults: SamplingParams, session_defaults: Mapping[str
     """The params one response samples with: its own fields, else the session's, else the model's.
 
     Both mappings take SamplingParams field names; a None value means unset.
-    Returns validated params; ValueError for a value out of range, TypeError
-    for a name that is not a sampling field (a caller's mistake).
+    A logit_bias given as a mapping (OpenAI's JSON object) becomes pairs, and
+    replaces the lower layer's whole map. Returns validated params;
+    ValueError for a value out of range, TypeError for a name that is not a
+    sampling field (a caller's mistake).
     """
     merged: dict[str, Any] = {}
     for layer in (session_defaults, response_fields):
-        unknown = set(layer) - set(SAMPLING_FIELDS)
+        unknown = set(layer) - set(SAMPLING_FIELDS) - set(REQUEST_FIELDS)
         if unknown:
             raise TypeError(f"not sampling fields: {', '.join(sorted(unknown))}")
         merged.update((k, v) for k, v in layer.items() if v is not None)
+    if isinstance(merged.get("logit_bias"), Mapping):
+        merged["logit_bias"] = logit_bias_pairs(merged["logit_bias"])
     return dataclasses.replace(model_defaults, **merged).validate()
 
 

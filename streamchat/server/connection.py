@@ -233,7 +233,7 @@ class Connection:
         item = ev.item_object(item_id, "assistant", None, status="in_progress")
         for event in ev.response_start_events(response, item, previous):
             self.send(event)
-        self._spawn(self._stream(s, rid, item_id, stream, max_tokens, previous))
+        self._spawn(self._stream(s, rid, item_id, stream, max_tokens, previous, params.logprobs is not None))
 
     async def _forget_item(self, s: LiveSession, item_id: str) -> None:
         try:
@@ -243,13 +243,14 @@ class Connection:
                         "a resume stores it incomplete", s.id, item_id)
 
     async def _stream(self, s: LiveSession, rid: str, item_id: str, stream: asyncio.Queue,
-                      max_tokens, previous) -> None:
+                      max_tokens, previous, logprobs: bool) -> None:
         saved = StreamedText(self.hub.store, s.id, item_id)  # what the client saw is stored as it streams
         try:
             while True:
                 out = await stream.get()
                 if isinstance(out, TextDelta):
-                    self.send(ev.output_text_delta(rid, item_id, out.text))
+                    entries = ev.logprobs_content(out.logprobs) if logprobs else None
+                    self.send(ev.output_text_delta(rid, item_id, out.text, logprobs=entries))
                     saved.add(out.text)
                 elif isinstance(out, ResponseFinished):
                     await self._finish(s, rid, item_id, out, max_tokens, previous, saved)

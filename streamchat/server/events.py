@@ -29,6 +29,7 @@ from typing import Any, Iterable, Literal, Mapping, Union
 
 import orjson
 
+from streamchat.engine.events import TokenLogprob
 from streamchat.server.protocol import SERVER_ERROR_CODES, SESSION_SAMPLING_FIELDS, ErrorCode
 
 MaxTokens = Union[int, Literal["inf"]]
@@ -309,10 +310,23 @@ def content_part_done(
 
 def output_text_delta(
     response_id: str, item_id: str, delta: str, *, output_index: int = 0, content_index: int = 0,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """`logprobs`: the delta's tokens (`logprobs_content`), only when the response asked for them."""
+    extra = {} if logprobs is None else {"logprobs": logprobs}
     return _part_event(
-        "response.output_text.delta", response_id, item_id, output_index, content_index, delta=delta,
+        "response.output_text.delta", response_id, item_id, output_index, content_index, delta=delta, **extra,
     )
+
+
+def logprobs_content(entries: Iterable[TokenLogprob]) -> list[dict[str, Any]]:
+    """Tokens as both wires report them (OpenAI's `logprobs.content`): per token its text, logprob, bytes
+    and top_logprobs, the most likely first."""
+    return [{**_token(e), "top_logprobs": [_token(t) for t in e.top]} for e in entries]
+
+
+def _token(e: TokenLogprob) -> dict[str, Any]:
+    return {"token": e.text, "logprob": e.logprob, "bytes": list(e.raw)}
 
 
 def output_text_done(

@@ -22,7 +22,7 @@ from streamchat.engine import api
 from streamchat.engine.api import EngineError
 from streamchat.engine.events import ResponseFinished, TextDelta
 from streamchat.model.sampling_params import resolve_params
-from streamchat.server.events import new_id
+from streamchat.server.events import logprobs_content, new_id
 from streamchat.server.http import BodyTooLarge, HttpRequest, Responder
 from streamchat.server.openai_schema import (
     ApiError, ChatRequest, chunk_object, completion_object, invalid, models_object, parse_chat_request,
@@ -107,9 +107,9 @@ class OpenAIHttp:
         if not d.serves_model(chat.model):
             raise _model_not_found(chat.model)
         try:
-            params = resolve_params(d.hub.model_defaults, {}, chat.sampling_fields())
-        except ValueError as exc:
-            raise invalid(str(exc)) from None
+            params = resolve_params(d.hub.model_defaults, {}, chat.sampling).validate(d.hub.vocab_size)
+        except ValueError as exc:  # a logit_bias id past the vocabulary
+            raise invalid(str(exc), getattr(exc, "field", None), "invalid_value") from None
         if d.stopping.is_set() or self.running + len(d.connections) >= d.config.server.max_connections:
             raise ApiError(503, "overloaded: too many requests; retry later", "server_error", code="overloaded",
                            headers={"Retry-After": "1"})
@@ -158,7 +158,9 @@ class _Reply:
         return None if self.out.gone else await self.stream.get()
 
     async def _whole(self, out) -> None:
+        tokens = []
         while isinstance(out, TextDelta):
+            tokens += out.logprobs
             out = await self._next()
         if out is None:
             return
@@ -166,13 +168,13 @@ class _Reply:
             raise _engine_error(out.reason or "internal", f"the response failed ({out.reason})")
         _log(self.rid, out)
         await _answer(self.out, 200, completion_object(self.rid, self.created, self.chat.model, out.text,
-                                                       _finish_reason(out), _usage(out)))
+                                                       _finish_reason(out), _usage(out), self._logprobs(tokens)))
 
     async def _stream(self, out) -> None:
         await self.out.start(200, SSE)
         await self._event(self._chunk({"role": "assistant", "content": ""}))
         while isinstance(out, TextDelta):
-            await self._event(self._chunk({"content": out.text}))
+            await self._event(self._chunk({"content": out.text}, logprobs=self._logprobs(out.logprobs)))
             out = await self._next()
         if out is None:
             return
@@ -186,9 +188,13 @@ class _Reply:
         await self.out.chunk(b"data: [DONE]\n\n")
         await self.out.end()
 
-    def _chunk(self, delta, finish_reason=None, usage=None) -> dict:
+    def _chunk(self, delta, finish_reason=None, usage=None, logprobs=None) -> dict:
         return chunk_object(self.rid, self.created, self.chat.model, delta, finish_reason, usage=usage,
-                            with_usage=self.chat.include_usage)
+                            with_usage=self.chat.include_usage, logprobs=logprobs)
+
+    def _logprobs(self, tokens) -> list[dict] | None:
+        """OpenAI's logprobs.content of these tokens when the request asked, else None."""
+        return None if self.chat.logprobs is None else logprobs_content(tokens)
 
     async def _event(self, doc: dict) -> None:
         await self.out.chunk(b"data: " + orjson.dumps(doc) + b"\n\n")

@@ -1,7 +1,10 @@
 """The OpenAI HTTP API's shapes: chat completion requests in, completions, chunks and errors out.
 
 Owns validating a `POST /v1/chat/completions` body into a `ChatRequest`
-(every refusal an `ApiError` naming the field), and building the objects the
+(every refusal an `ApiError` naming the field; a field this daemon does not
+know or support is refused too, never ignored; the sampling fields are read
+by `streamchat.model.sampling_params.read_fields`, as the websocket's are),
+and building the objects the
 API answers with: `chat.completion`, `chat.completion.chunk`, `usage`, the
 model list and the error object `{"error": {"message", "type", "param",
 "code"}}`. Pure: no I/O, no engine, no sockets; callers pass in every figure.
@@ -9,19 +12,23 @@ model list and the error object `{"error": {"message", "type", "param",
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from streamchat.model.sampling_params import PENALTY_MAX, REPETITION_PENALTY_MAX
+from streamchat.model.sampling_params import WIRE_FIELDS, FieldError, read_fields
 from streamchat.server.protocol import Limits
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Fields a client may send that change nothing here while they hold their default.
-DEFAULTS_ONLY = {"n": 1, "logprobs": False, "tools": [], "functions": [], "tool_choice": "none",
-                 "parallel_tool_calls": None}
+DEFAULTS_ONLY = {"n": 1, "tools": [], "functions": [], "tool_choice": "none", "parallel_tool_calls": None}
+# Every field a request may carry; any other is refused by name. `user` (an end user's id) changes nothing.
+# The sampling ones include OpenAI's logprobs, top_logprobs and logit_bias, and the extensions top_k,
+# repetition_penalty and min_p (as vLLM and llama.cpp's server take them).
+KNOWN_FIELDS = frozenset({"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+                          "stop", "user", "response_format", *DEFAULTS_ONLY, *WIRE_FIELDS})
 
 
 class ApiError(Exception):
@@ -57,21 +64,13 @@ class ChatRequest:
     include_usage: bool = False
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    # extensions, as vLLM and llama.cpp's server take them
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
+    # the sampling fields the request set, by SamplingParams name; the rest take the daemon's defaults
+    sampling: Mapping[str, Any] = field(default_factory=dict)
 
-    def sampling_fields(self) -> dict[str, Any]:
-        """The sampling numbers the request set (SamplingParams names); the rest take the daemon's defaults."""
-        names = ("temperature", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty",
-                 "repetition_penalty", "min_p")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+    @property
+    def logprobs(self) -> int | None:
+        """None: no log-probabilities; k: each token's, with k alternatives."""
+        return self.sampling.get("logprobs")
 
 
 def parse_chat_request(body: bytes, limits: Limits) -> ChatRequest:
@@ -86,22 +85,19 @@ def parse_chat_request(body: bytes, limits: Limits) -> ChatRequest:
     if not isinstance(model, str) or not model:
         raise invalid("you must provide a model parameter", "model", "missing_required_parameter")
     instructions, messages = _messages(doc.get("messages"), limits)
-    _defaults_only(doc)
+    _supported(doc)
     stream = _typed(doc, "stream", bool, False)
     options = _typed(doc, "stream_options", dict, None)
     if options is not None and not stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    try:
+        sampling = read_fields(doc, WIRE_FIELDS)
+    except FieldError as exc:
+        raise invalid(str(exc), exc.field, "invalid_value") from None
     return ChatRequest(
         model=model, instructions=instructions, messages=messages, stream=stream,
         include_usage=_typed(options or {}, "include_usage", bool, False, "stream_options."),
-        max_tokens=_max_tokens(doc, limits), stop=_stop(doc.get("stop"), limits),
-        temperature=_number(doc, "temperature", 0.0, 2.0), top_p=_number(doc, "top_p", 0.0, 1.0, low_open=True),
-        seed=_seed(doc.get("seed")),
-        frequency_penalty=_number(doc, "frequency_penalty", -PENALTY_MAX, PENALTY_MAX),
-        presence_penalty=_number(doc, "presence_penalty", -PENALTY_MAX, PENALTY_MAX),
-        top_k=_top_k(doc.get("top_k")),
-        repetition_penalty=_number(doc, "repetition_penalty", 0.0, REPETITION_PENALTY_MAX, low_open=True),
-        min_p=_number(doc, "min_p", 0.0, 1.0))
+        max_tokens=_max_tokens(doc, limits), stop=_stop(doc.get("stop"), limits), sampling=sampling)
 
 
 def _messages(value: Any, limits: Limits) -> tuple[str, tuple[tuple[str, str, bool], ...]]:
@@ -145,7 +141,11 @@ def _content(value: Any, where: str) -> str:
     raise invalid(f"{where} must be a string or an array of text parts", where, "invalid_type")
 
 
-def _defaults_only(doc: dict) -> None:
+def _supported(doc: dict) -> None:
+    """Fields this daemon does not know, and known ones it cannot serve unless at their default: 400."""
+    for name in doc:
+        if name not in KNOWN_FIELDS:
+            raise invalid(f"{name} is not supported by this daemon", name, "unsupported_parameter")
     for name, default in DEFAULTS_ONLY.items():
         value = doc.get(name)
         if value is not None and value != default:
@@ -164,17 +164,6 @@ def _typed(doc: dict, name: str, kind: type, default: Any, where: str = "") -> A
         raise invalid(f"{where}{name} must be a {kind.__name__.replace('dict', 'object')}", where + name,
                       "invalid_type")
     return value
-
-
-def _number(doc: dict, name: str, low: float, high: float, low_open: bool = False) -> float | None:
-    value = doc.get(name)
-    if value is None:
-        return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value > high or value < low or (low_open and value == low):
-        span = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise invalid(f"{name} must be a number in {span}, got {value!r}", name, "invalid_value")
-    return float(value)
 
 
 def _max_tokens(doc: dict, limits: Limits) -> int | None:
@@ -202,23 +191,6 @@ def _stop(value: Any, limits: Limits) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _top_k(value: Any) -> int | None:
-    if value is None:
-        return None
-    if type(value) is not int or not 0 <= value < 2**63:
-        raise invalid(f"top_k must be an integer in [0, 2^63-1] (0: no limit), got {value!r}", "top_k",
-                      "invalid_value")
-    return value
-
-
-def _seed(value: Any) -> int | None:
-    if value is None:
-        return None
-    if type(value) is not int or not -(2**63) <= value < 2**63:
-        raise invalid(f"seed must be an integer in [-2^63, 2^63-1], got {value!r}", "seed", "invalid_value")
-    return value
-
-
 # -- answers ---------------------------------------------------------------------------------
 
 
@@ -230,24 +202,29 @@ def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int)
 
 
 def completion_object(cid: str, created: int, model: str, text: str, finish_reason: str,
-                      usage: dict[str, Any] | None) -> dict[str, Any]:
+                      usage: dict[str, Any] | None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`logprobs`: the reply's tokens as `logprobs_content` gives them, when the request asked."""
     choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-              "logprobs": None, "finish_reason": finish_reason}
+              "logprobs": _choice_logprobs(logprobs), "finish_reason": finish_reason}
     return {"id": cid, "object": "chat.completion", "created": created, "model": model,
             "choices": [choice], "usage": usage, "system_fingerprint": None}
 
 
 def chunk_object(cid: str, created: int, model: str, delta: dict[str, Any] | None,
                  finish_reason: str | None = None, *, usage: dict[str, Any] | None = None,
-                 with_usage: bool = False) -> dict[str, Any]:
+                 with_usage: bool = False, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One streamed chunk; `delta=None` is the usage-only chunk (no choices) that ends a stream."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": _choice_logprobs(logprobs),
                                          "finish_reason": finish_reason}]
     chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
              "choices": choices, "system_fingerprint": None}
     if with_usage:
         chunk["usage"] = usage
     return chunk
+
+
+def _choice_logprobs(content: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    return None if content is None else {"content": content, "refusal": None}
 
 
 def models_object(names: list[str], created: int) -> dict[str, Any]:

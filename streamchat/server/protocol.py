@@ -10,20 +10,21 @@ server does with an event; server events are built in
 Leniency rules (see docs/protocol.md): unknown fields are ignored, a JSON
 `null` in an optional field means "absent", and every field we use is
 type- and range-checked. Numbers are refused unless finite, even if a
-decoder more lenient than orjson let NaN or an infinity through; the
-sampling ranges repeat those of `streamchat.model.sampling_params`, and a
-test keeps the two equal.
+decoder more lenient than orjson let NaN or an infinity through. The
+sampling fields are read by `streamchat.model.sampling_params.read_fields`,
+the table the HTTP API reads them with too.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Literal, Union
 
 import orjson
+
+from streamchat.model.sampling_params import FieldError, read_fields
 
 
 class ErrorCode(str, enum.Enum):
@@ -53,20 +54,14 @@ SERVER_ERROR_CODES: frozenset[str] = frozenset(
     {"overloaded", "internal", "store_unavailable", "engine_unavailable", "engine_restarting"},
 )
 
-# Sampling ranges, equal to streamchat.model.sampling_params' (docs/protocol.md,
-# "Sampling numbers"): signed 64 bits, so every admitted integer fits an
-# int64 wherever it is kept.
-TEMPERATURE_MAX = 2.0
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
-TOP_K_MAX = 2**63 - 1
-PENALTY_MAX = 2.0  # frequency_penalty and presence_penalty in [-2, 2]
-REPETITION_PENALTY_MAX = 10.0  # repetition_penalty in (0, 10]
-
 # Sampling fields a session keeps as its defaults (session.update); a
-# response.create may set these and `seed`. Names of SamplingParams fields.
+# response.create may set these, `seed`, `logit_bias` and `logprobs`. Names of
+# SamplingParams fields.
 SESSION_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty",
                            "repetition_penalty", "min_p")
-RESPONSE_SAMPLING_FIELDS = SESSION_SAMPLING_FIELDS + ("seed",)
+RESPONSE_SAMPLING_FIELDS = SESSION_SAMPLING_FIELDS + ("seed", "logit_bias", "logprobs")
+# The JSON fields response.create reads them from (`top_logprobs` sets `logprobs`' count)
+_RESPONSE_WIRE_FIELDS = SESSION_SAMPLING_FIELDS + ("seed", "logit_bias", "logprobs", "top_logprobs")
 
 _INVALID = ErrorCode.INVALID_EVENT
 
@@ -151,6 +146,8 @@ class ResponseCreate:
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     min_p: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias), ids increasing
+    logprobs: int | None = None  # report log-probabilities with this many alternatives (top_logprobs)
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields this response sets, by SamplingParams name (None: unset)."""
@@ -307,43 +304,12 @@ def _max_tokens(obj: dict[str, Any], where: str, limits: Limits) -> MaxTokens | 
     return value
 
 
-def _number(
-    obj: dict[str, Any], key: str, where: str, low: float, high: float, *, low_open: bool = False,
-) -> float | None:
-    """A finite int or float in the interval, as a float; -0.0 becomes 0.0."""
-    value = obj.get(key)
-    if value is None:
-        return None
-    finite = type(value) in (int, float) and math.isfinite(value)
-    in_range = finite and (low < value if low_open else low <= value) and value <= high
-    if not in_range:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ProtocolError(_INVALID, f"{where}{key} must be a number in {interval}")
-    return float(value) + 0.0  # -0.0 + 0.0 is 0.0
-
-
-def _integer(obj: dict[str, Any], key: str, where: str, low: int, high: int) -> int | None:
-    """An int (never a float, even 1.0, nor a bool) in [low, high]."""
-    value = obj.get(key)
-    if value is None:
-        return None
-    if type(value) is not int or not low <= value <= high:
-        raise ProtocolError(_INVALID, f"{where}{key} must be an integer in [{low}, {high}]")
-    return value
-
-
-def _sampling(obj: dict[str, Any], where: str) -> dict[str, Any]:
-    """The sampling fields a session and a response share (see "Sampling numbers")."""
-    return {
-        "temperature": _number(obj, "temperature", where, 0.0, TEMPERATURE_MAX),
-        "top_p": _number(obj, "top_p", where, 0.0, 1.0, low_open=True),
-        "top_k": _integer(obj, "top_k", where, 0, TOP_K_MAX),
-        "frequency_penalty": _number(obj, "frequency_penalty", where, -PENALTY_MAX, PENALTY_MAX),
-        "presence_penalty": _number(obj, "presence_penalty", where, -PENALTY_MAX, PENALTY_MAX),
-        "repetition_penalty": _number(obj, "repetition_penalty", where, 0.0, REPETITION_PENALTY_MAX,
-                                      low_open=True),
-        "min_p": _number(obj, "min_p", where, 0.0, 1.0),
-    }
+def _sampling(obj: dict[str, Any], where: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """The sampling fields among `names` that `obj` sets, by SamplingParams name (see "Sampling numbers")."""
+    try:
+        return read_fields(obj, names)
+    except FieldError as exc:
+        raise ProtocolError(_INVALID, f"{where}{exc}") from None
 
 
 def _stop(obj: dict[str, Any], where: str, limits: Limits) -> tuple[str, ...] | None:
@@ -372,7 +338,7 @@ def _parse_session_update(obj: dict[str, Any], event_id: str | None, limits: Lim
         event_id=event_id,
         instructions=_text(session, "instructions", "session.", limits, required=False),
         max_output_tokens=_max_tokens(session, "session.", limits),
-        **_sampling(session, "session."),
+        **_sampling(session, "session.", SESSION_SAMPLING_FIELDS),
     )
 
 
@@ -427,9 +393,8 @@ def _parse_response_create(obj: dict[str, Any], event_id: str | None, limits: Li
         event_id=event_id,
         max_output_tokens=_max_tokens(response, where, limits),
         instructions=_text(response, "instructions", where, limits, required=False),
-        seed=_integer(response, "seed", where, SEED_MIN, SEED_MAX),
         stop=_stop(response, where, limits),
-        **_sampling(response, where),
+        **_sampling(response, where, _RESPONSE_WIRE_FIELDS),
     )
 
 

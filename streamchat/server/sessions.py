@@ -121,7 +121,15 @@ class Hub:
 
     def response_params(self, s: LiveSession, fields: dict) -> SamplingParams:
         """What one response samples with: its fields, else the session's, else the model's."""
-        return self._resolve(s.sampling, fields)
+        params = self._resolve(s.sampling, fields)
+        try:
+            return params.validate(self.vocab_size)
+        except ValueError as exc:  # a logit_bias id past the vocabulary
+            raise EngineError("invalid_event", f"response.{exc}") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.tokenizer.vocab_size
 
     def _resolve(self, session_defaults: dict, fields: dict) -> SamplingParams:
         try:

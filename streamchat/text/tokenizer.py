@@ -12,9 +12,25 @@ builds two instances from it: one where special tokens in the text act
 
 from __future__ import annotations
 
+import functools
+import re
+
 from tokenizers import Tokenizer
 
 from streamchat.text.chat import ChatFormat, Frames
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, char -> byte: printable bytes stand for themselves, the others for 256+."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = (b for b in range(256) if b not in chars)
+    chars.update((b, chr(256 + n)) for n, b in enumerate(extra))
+    return {c: b for b, c in chars.items()}
 
 
 class FrontTokenizer:
@@ -29,6 +45,30 @@ class FrontTokenizer:
 
     def encode_control(self, text: str) -> list[int]:
         return self._control.encode(text, add_special_tokens=False).ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 below this (added tokens included)."""
+        return self._control.get_vocab_size(with_added_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, a part of a UTF-8 character included (what logprobs report).
+
+        Byte-level vocabularies (GPT-2's alphabet) map back exactly; a
+        SentencePiece byte token (<0xE2>) is its byte; any other token is
+        its decoded text.
+        """
+        piece = self._control.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if type(self._control.decoder).__name__ == "ByteLevel":
+            alphabet = _byte_level_alphabet()
+            if all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+        byte = _BYTE_TOKEN.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        return self._control.decode([token_id], skip_special_tokens=False).encode()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces=False) -> str:
         # the IncrementalDetokenizer's call, as on a transformers tokenizer (no clean-up: deltas must add up)

@@ -3,13 +3,14 @@ penalties against hand computations, min-p."""
 
 import math
 
+import orjson
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streamchat.model import sampling
-from streamchat.model.sampling import SamplingParams, TokenHistory, apply_penalties, make_generator, sample
+from streamchat.model.sampling import SamplingParams, TokenHistory, adjust_logits, make_generator, sample
 from streamchat.server import protocol
 
 NAN, INF = float("nan"), float("inf")
@@ -68,10 +69,21 @@ def test_validate_refuses_outside_the_ranges(params):
         params.validate()
 
 
-def test_ranges_equal_the_protocol_copies():
-    """The torch-free parser repeats exactly the sampling module's ranges."""
-    names = ("TEMPERATURE_MAX", "TOP_K_MAX", "SEED_MIN", "SEED_MAX", "PENALTY_MAX", "REPETITION_PENALTY_MAX")
-    assert [getattr(protocol, n) for n in names] == [getattr(sampling, n) for n in names]
+WIRE_REFUSED = [("temperature", -1e-300), ("temperature", 2.0000001), ("temperature", True), ("temperature", "1"),
+                ("top_p", 0.0), ("top_k", -1), ("top_k", 1.0), ("top_k", 2**63), ("seed", 2**63), ("seed", 1.0),
+                ("seed", False), ("frequency_penalty", 2.0000001), ("repetition_penalty", 0.0),
+                ("repetition_penalty", "1.1"), ("min_p", 1.0000001)]
+
+
+@pytest.mark.parametrize(("name", "value"), WIRE_REFUSED, ids=range(len(WIRE_REFUSED)))
+def test_the_websocket_refuses_what_validate_refuses_in_the_same_words(name, value):
+    """The wires read the sampling fields with validate's own table (no copy of the ranges to drift)."""
+    with pytest.raises(ValueError) as refused:
+        SamplingParams(**{name: value}).validate()
+    frame = orjson.dumps({"type": "response.create", "response": {name: value}}).decode()
+    with pytest.raises(protocol.ProtocolError) as on_websocket:
+        protocol.parse_client_event(frame, limits=protocol.Limits())
+    assert on_websocket.value.message == f"response.{refused.value}"
 
 
 def test_seed_bounds_and_the_32_bit_generator():
@@ -229,8 +241,8 @@ def test_empty_batch():
 
 
 def penalized(logits, params, recent=(), generated=()):
-    """apply_penalties on one row, as a list."""
-    return apply_penalties(torch.tensor([logits]), [params], [TokenHistory(recent, generated)])[0].tolist()
+    """adjust_logits on one row, as a list."""
+    return adjust_logits(torch.tensor([logits]), [params], [TokenHistory(recent, generated)])[0].tolist()
 
 
 def test_frequency_and_presence_by_hand():
@@ -322,16 +334,16 @@ def test_sample_does_not_change_the_logits():
 
 
 def test_batched_penalties_equal_single_rows():
-    """apply_penalties over rows at once equals row by row, exactly."""
+    """adjust_logits over rows at once equals row by row, exactly."""
     torch.manual_seed(3)
     logits = torch.randn(4, 300) * 4
     params = [SamplingParams(frequency_penalty=0.7), SamplingParams(presence_penalty=-0.4, repetition_penalty=1.3),
               SamplingParams(repetition_penalty=0.8), SamplingParams(1.0, 1.0, 0, None, 2.0, 2.0, 10.0)]
     history = [TokenHistory(torch.randint(0, 300, (n,)).tolist(), torch.randint(0, 300, (m,)).tolist())
                for n, m in ((10, 0), (80, 5), (0, 40), (64, 64))]
-    batch = apply_penalties(logits, params, history)
+    batch = adjust_logits(logits, params, history)
     for i in range(4):
-        assert torch.equal(batch[i:i + 1], apply_penalties(logits[i:i + 1], params[i:i + 1], history[i:i + 1]))
+        assert torch.equal(batch[i:i + 1], adjust_logits(logits[i:i + 1], params[i:i + 1], history[i:i + 1]))
 
 
 def test_penalized_seeded_rows_ignore_their_batch():

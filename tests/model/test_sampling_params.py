@@ -5,7 +5,7 @@ import json
 import pytest
 
 from streamchat.model import sampling_params as sp
-from streamchat.model.sampling_params import (DEFAULT_PARAMS, SAMPLING_FIELDS, SamplingParams,
+from streamchat.model.sampling_params import (DEFAULT_PARAMS, REQUEST_FIELDS, SAMPLING_FIELDS, SamplingParams,
                                               load_model_defaults, resolve_params)
 from streamchat.server import protocol
 
@@ -31,8 +31,9 @@ def test_penalized_means_any_penalty_set():
 
 
 def test_protocol_field_names_are_sampling_fields():
-    """Every sampling field the parser reads is a SamplingParams field; sessions take all but the seed."""
-    assert set(protocol.RESPONSE_SAMPLING_FIELDS) == set(SAMPLING_FIELDS)
+    """Every sampling field the parser reads is a SamplingParams field; sessions take all but the seed and the
+    per-request logit_bias and logprobs."""
+    assert set(protocol.RESPONSE_SAMPLING_FIELDS) == set(SAMPLING_FIELDS) | set(REQUEST_FIELDS)
     assert set(protocol.SESSION_SAMPLING_FIELDS) == set(SAMPLING_FIELDS) - {"seed"}
 
 
@@ -63,7 +64,7 @@ def test_none_is_unset_and_empty_is_the_model():
 
 def test_resolve_validates_and_names_only_sampling_fields():
     """An out-of-range value is ValueError; a name that is no sampling field is TypeError."""
-    with pytest.raises(ValueError, match="repetition_penalty must be in"):
+    with pytest.raises(ValueError, match=r"repetition_penalty must be a number in \(0, 10\]"):
         resolve_params(MODEL, {}, {"repetition_penalty": 0})
     with pytest.raises(ValueError, match="min_p"):
         resolve_params(MODEL, {"min_p": 2.0}, {})

@@ -347,10 +347,10 @@ def test_sampling_fields_by_name():
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("frequency_penalty", 3, "response.frequency_penalty must be a number in [-2, 2]"),
-    ("presence_penalty", -3, "response.presence_penalty must be a number in [-2, 2]"),
-    ("repetition_penalty", 0, "response.repetition_penalty must be a number in (0, 10]"),
-    ("min_p", 2, "response.min_p must be a number in [0, 1]"),
+    ("frequency_penalty", 3, "response.frequency_penalty must be a number in [-2, 2], got 3"),
+    ("presence_penalty", -3, "response.presence_penalty must be a number in [-2, 2], got -3"),
+    ("repetition_penalty", 0, "response.repetition_penalty must be a number in (0, 10], got 0"),
+    ("min_p", 2, "response.min_p must be a number in [0, 1], got 2"),
 ])
 def test_penalty_errors_name_the_field_and_range(field, value, message):
     """The error message says which field and what it admits."""
