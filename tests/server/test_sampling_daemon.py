@@ -14,7 +14,7 @@ MODEL_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "frequency_penal
                   "repetition_penalty": 1.1, "min_p": 0.0}
 PLAIN_GREEDY = {"temperature": 0, "repetition_penalty": 1}
 HOT = {"temperature": 2, "top_k": 5}  # seeded per response: reproducible, and far from greedy
-SEED = {"seed": 7}
+SEED = {"seed": 3}
 QUESTION = "List three fruits and say why you like each."
 
 
