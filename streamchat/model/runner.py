@@ -86,8 +86,9 @@ def load_model(cfg: ModelConfig, measure=None) -> LoadedModel:
     state, raw = load_state(source.folder), _gguf_raw(source, hf_config, cfg.weights, device, dtype)
 
     def build(weights: str) -> LoadedModel:
-        model = model_class(hf_config, state, dtype, device, backend, LinearBuilder(weights, raw))
-        return LoadedModel(served_source(source, weights), hf_config, tokenizer, model, weights)
+        make = LinearBuilder(weights, raw, activations=cfg.decode_activations)
+        model = model_class(hf_config, state, dtype, device, backend, make)
+        return LoadedModel(served_source(source, weights, cfg.decode_activations), hf_config, tokenizer, model, weights)
 
     weights = cfg.weights
     if weights == "auto":
