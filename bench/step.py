@@ -20,7 +20,7 @@ Variants, timed step by step in turn (A B C A B C ...) so that a busy host
 slows them alike: `--against OLD.c` (repeatable) adds another version of the
 CPU kernels (kernels/cpu_decode.c as it was, e.g. `git show
 main:kernels/cpu_decode.c > /tmp/old.c`) running the same model and pool;
-`--kv-dtype auto,int8` a pool per KV storage; `--decode-activations
+`--kv-dtype float,int8` a pool per KV storage; `--decode-activations
 float32,int8` a model per activation format of the grouped products. One
 session's decode speed before and after a kernel change:
 
@@ -71,7 +71,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--mass", action="store_true", help="alternate with steps that compute h2o's attention mass")
-    p.add_argument("--kv-dtype", default="auto", help="KV storage, or several comma-separated (auto,int8)")
+    p.add_argument("--kv-dtype", default="float", help="KV storage, or several comma-separated (float,int8)")
     p.add_argument("--decode-activations", default="float32", help="float32, int8, or both comma-separated")
     p.add_argument("--against", action="append", default=[], help="another cpu_decode.c to time alongside")
     return p.parse_args(argv)

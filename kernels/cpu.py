@@ -94,6 +94,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "group_dequantize": ([p, i, p, p, p, i, i], None),
         "rms_norm": ([p, p, p, i, i, f], None),
         "write_kv": ([p, p, p, p, i, p, p, p, i, i, i, i], None),
+        "write_kv_int8": ([p, p, p, p, p, p, p, p, p, i, i, i, i], None),
         "mla_decode": ([p, p, i, p, i64, p, p, p, p, p, i64, p, p, i, i, i, i, i, i, i, f], i),
     }
     for name, (argtypes, restype) in signatures.items():
@@ -209,33 +210,49 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """reference.write_kv into an unquantized CPU pool (`writes`): key, value (T, KVH, D); cos/sin the
-    contiguous float32 rope tables."""
+             slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """reference.write_kv into a CPU pool `writes` takes: key, value (T, KVH, D); cos/sin the contiguous
+    float32 rope tables; k_scale/v_scale with an int8 pool."""
     t, kv_heads, head_dim = key.shape
     key = key.float().contiguous()
     value = value.float().contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
-    library().write_kv(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                       DTYPES[key_cache.dtype], slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, kv_heads,
-                       head_dim, key_cache.shape[1])
+    rows = (slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, kv_heads, head_dim, key_cache.shape[1])
+    if k_scale is None:
+        library().write_kv(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                           DTYPES[key_cache.dtype], *rows)
+    else:
+        library().write_kv_int8(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                                k_scale.data_ptr(), v_scale.data_ptr(), *rows)
 
 
 def writes(key_cache: torch.Tensor, k_scale: torch.Tensor | None, head_dim: int) -> bool:
-    """Whether `write_kv` writes this pool: unquantized float32/bfloat16/float16 on the CPU."""
-    return (k_scale is None and key_cache.device.type == "cpu" and key_cache.dtype in DTYPES
-            and key_cache.shape[-1] == head_dim and key_cache.is_contiguous())
+    """Whether `write_kv` writes this pool: unquantized float32/bfloat16/float16 on the CPU, or int8 with
+    its scales (fp8 and int4 pools are written by the reference)."""
+    if k_scale is None:
+        return _cpu_rows(key_cache, head_dim) and key_cache.dtype in DTYPES
+    return (key_cache.dtype == torch.int8 and hasattr(library(), "write_kv_int8") and _cpu_rows(key_cache, head_dim)
+            and _scaled_rows(key_cache, k_scale))
 
 
 def supports(key_cache: torch.Tensor, k_scale: torch.Tensor | None, head_dim: int) -> bool:
-    """Whether `paged_decode` reads this pool: what `writes` writes, or int8 / float8 e4m3fn codes with one
-    contiguous float32 scale per token per KV head, (num_blocks, block_size, kv_heads) (quant.py), when the
-    loaded library has that entry (a benchmark's older kernels do not: their callers ran the reference)."""
+    """Whether `paged_decode` reads this pool: unquantized as `writes`, or int8 / float8 e4m3fn codes with their
+    scales, when the loaded library has that entry (a benchmark's older kernels do not: their callers ran
+    the reference)."""
     if k_scale is None:
         return writes(key_cache, k_scale, head_dim)
-    return (hasattr(library(), "paged_decode_quantized") and key_cache.dtype in SCALED
-            and key_cache.device.type == "cpu" and key_cache.is_contiguous() and key_cache.shape[-1] == head_dim and k_scale.dtype == torch.float32 and k_scale.is_contiguous()
-            and k_scale.shape == key_cache.shape[:3])
+    return (key_cache.dtype in SCALED and hasattr(library(), "paged_decode_quantized")
+            and _cpu_rows(key_cache, head_dim) and _scaled_rows(key_cache, k_scale))
+
+
+def _cpu_rows(key_cache: torch.Tensor, head_dim: int) -> bool:
+    return key_cache.device.type == "cpu" and key_cache.is_contiguous() and key_cache.shape[-1] == head_dim
+
+
+def _scaled_rows(key_cache: torch.Tensor, k_scale: torch.Tensor) -> bool:
+    """One contiguous float32 scale per token per KV head, (num_blocks, block_size, kv_heads) (quant.py)."""
+    return k_scale.dtype == torch.float32 and k_scale.is_contiguous() and k_scale.shape == key_cache.shape[:3]
 
 
 def fits(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:

@@ -58,7 +58,7 @@ static inline v8f exp8(v8f x) {
 static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 /* Pool storage (`dtype`): 0 float32, 1 bfloat16, 2 float16; and, with one float32 scale per row (per
- * token per KV head), 3 int8, 4 float8 e4m3fn (`load_scaled_row`).
+ * token per KV head), 3 int8, 4 float8 e4m3fn (`load_codes`).
  *
  * A row of head_dim values as float32: the pool's own memory when it is float32, else widened into
  * `tmp` (eight at a time: bf16 by a shift into the high half, fp16 by the F16C conversion). */
@@ -87,18 +87,15 @@ static inline const float *load_row(const void *pool, int dtype, int64_t row, in
     return tmp;
 }
 
-/* A quantized pool's row as float32 into `tmp`, exactly as quant.dequantize computes it: each code
- * widened exactly, then multiplied by the row's scale (one float product, as `q.float() * scale`).
- * int8 (dtype 3) by sign extension; float8 e4m3fn (dtype 4) by its bits: the exponent and mantissa
- * shifted into a float's (e4m3's bias 7 against float's 127: times 2^120, which also gives its
- * subnormals exactly), the sign to the top, and 0x7F / 0xFF NaN as torch has them. */
-static inline const float *load_scaled_row(const void *pool, int dtype, const float *scale, int64_t row, int d,
-                                           float *tmp) {
+/* A row's codes as float32 (`load_row` for a float pool), each widened exactly: the caller applies the
+ * row's scale once to what it computes from the row (a score, a softmax weight) instead of to each of
+ * its d values. int8 (dtype 3) by sign extension; float8 e4m3fn (dtype 4) by its bits: the exponent
+ * and mantissa shifted into a float's (e4m3's bias 7 against float's 127: times 2^120, which also gives
+ * its subnormals exactly), the sign to the top, and 0x7F / 0xFF NaN as torch has them. */
+static inline const float *load_codes(const void *pool, int dtype, int64_t row, int d, float *tmp) {
     if (dtype < 3) return load_row(pool, dtype, row, d, tmp);
     const uint8_t *p = (const uint8_t *)pool + row * d;
-    const float s = scale[row];
 #if defined(__AVX2__)
-    const __m256 sv = _mm256_set1_ps(s);
     for (int j = 0; j < d; j += 8) {
         const __m128i b = _mm_loadl_epi64((const __m128i *)(p + j));
         __m256 x;
@@ -113,7 +110,7 @@ static inline const float *load_scaled_row(const void *pool, int dtype, const fl
             const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F)));
             x = _mm256_blendv_ps(x, _mm256_set1_ps(NAN), nan);
         }
-        _mm256_storeu_ps(tmp + j, _mm256_mul_ps(x, sv));
+        _mm256_storeu_ps(tmp + j, x);
     }
 #else
     for (int j = 0; j < d; j++) {
@@ -125,7 +122,7 @@ static inline const float *load_scaled_row(const void *pool, int dtype, const fl
             memcpy(&x, &bits, 4);
             x = mag == 0x7F ? NAN : x * 0x1p120f;
         }
-        tmp[j] = x * s;
+        tmp[j] = x;
     }
 #endif
     return tmp;

@@ -27,9 +27,10 @@
  * depend only on the sequence's own length, so a sequence's result is the
  * same in any batch.
  *
- * A quantized row is widened into float32 as it is read (`load_scaled_row`), then
- * used exactly as a float32 pool's: the same passes, prefetches (the next
- * block's scales too) and mass. int8 reads a quarter of float32's bytes.
+ * A quantized row's codes are widened into float32 as they are read
+ * (`load_codes`) and its scale applied once: to the key's score, and to the
+ * value's softmax weight. The same passes, prefetches (the next block's
+ * scales too) and mass as a float pool's; int8 reads a quarter of the bytes.
  *
  * `partial` holds B * ceil(max_blocks / chunk) items of
  * H * (head_dim + 2) floats; `stats` (only with block_mass) B * num_kv_heads
@@ -92,7 +93,9 @@ static void run_blocks(const Args *a, int b, int i0, int i1, float *part) {
         for (int t = 0; t < valid; t++) {
             if (ahead) prefetch_span(ahead + (int64_t)t * span, span);
             for (int h = 0; h < kvh; h++) {
-                const float *k = load_scaled_row(a->kc, a->dtype, a->ks, base + t * kvh + h, d, tmp);
+                const int64_t row = base + t * kvh + h;
+                const float *k = load_codes(a->kc, a->dtype, row, d, tmp);
+                const float sc = a->ks ? a->scale * a->ks[row] : a->scale;
                 int g = 0;
                 for (; g + 2 <= g_n; g += 2) {
                     const float *q0 = qr + (h * g_n + g) * d, *q1 = q0 + d;
@@ -102,14 +105,14 @@ static void run_blocks(const Args *a, int b, int i0, int i1, float *part) {
                         a0 += ld8(q0 + j) * kj;
                         a1 += ld8(q1 + j) * kj;
                     }
-                    s[(h * g_n + g) * RUN_TOKENS + n + t] = hsum8(a0) * a->scale;
-                    s[(h * g_n + g + 1) * RUN_TOKENS + n + t] = hsum8(a1) * a->scale;
+                    s[(h * g_n + g) * RUN_TOKENS + n + t] = hsum8(a0) * sc;
+                    s[(h * g_n + g + 1) * RUN_TOKENS + n + t] = hsum8(a1) * sc;
                 }
                 if (g < g_n) {
                     const float *q0 = qr + (h * g_n + g) * d;
                     v8f a0 = {0};
                     for (int j = 0; j < d; j += 8) a0 += ld8(q0 + j) * ld8(k + j);
-                    s[(h * g_n + g) * RUN_TOKENS + n + t] = hsum8(a0) * a->scale;
+                    s[(h * g_n + g) * RUN_TOKENS + n + t] = hsum8(a0) * sc;
                 }
             }
         }
@@ -128,11 +131,13 @@ static void run_blocks(const Args *a, int b, int i0, int i1, float *part) {
             if (ahead) prefetch_span(ahead + (int64_t)t * span, 2 * span);
             for (int h = 0; h < kvh; h++) {
                 float tmp1[MAX_D];
-                const float *v0 = load_scaled_row(a->vc, a->dtype, a->vs, base + t * kvh + h, d, tmp);
-                const float *v1 = load_scaled_row(a->vc, a->dtype, a->vs, base + (t + 1) * kvh + h, d, tmp1);
+                const int64_t r0 = base + t * kvh + h, r1 = r0 + kvh;
+                const float *v0 = load_codes(a->vc, a->dtype, r0, d, tmp);
+                const float *v1 = load_codes(a->vc, a->dtype, r1, d, tmp1);
+                const float s0 = a->vs ? a->vs[r0] : 1.0f, s1 = a->vs ? a->vs[r1] : 1.0f;
                 for (int g = 0; g < g_n; g++) {
                     const int hq = h * g_n + g;
-                    const float w0 = s[hq * RUN_TOKENS + n + t], w1 = s[hq * RUN_TOKENS + n + t + 1];
+                    const float w0 = s[hq * RUN_TOKENS + n + t] * s0, w1 = s[hq * RUN_TOKENS + n + t + 1] * s1;
                     float *o = part + hq * row_stride + 2;
                     for (int j = 0; j < d; j += 8) st8(o + j, ld8(o + j) + (w0 * ld8(v0 + j) + w1 * ld8(v1 + j)));
                 }
@@ -140,10 +145,11 @@ static void run_blocks(const Args *a, int b, int i0, int i1, float *part) {
         }
         for (; t < valid; t++) {
             for (int h = 0; h < kvh; h++) {
-                const float *v0 = load_scaled_row(a->vc, a->dtype, a->vs, base + t * kvh + h, d, tmp);
+                const int64_t r0 = base + t * kvh + h;
+                const float *v0 = load_codes(a->vc, a->dtype, r0, d, tmp), s0 = a->vs ? a->vs[r0] : 1.0f;
                 for (int g = 0; g < g_n; g++) {
                     const int hq = h * g_n + g;
-                    const float w0 = s[hq * RUN_TOKENS + n + t];
+                    const float w0 = s[hq * RUN_TOKENS + n + t] * s0;
                     float *o = part + hq * row_stride + 2;
                     for (int j = 0; j < d; j += 8) st8(o + j, ld8(o + j) + w0 * ld8(v0 + j));
                 }
@@ -212,44 +218,80 @@ void rms_norm(const float *x, const float *w, float *out, int m, int k, float ep
     }
 }
 
-/* Scatter t tokens' keys and values (t, kv_heads, d) float32 into their slots of a float pool
- * (dtype 0/1/2 as paged_decode's), each key rotated by its offset in its block (slot % bs) as
- * reference.write_kv does: x * cos, then each half takes its partner times sin. */
-__attribute__((optimize("fp-contract=off"))) void write_kv(const float *key, const float *value, void *kc,
-                                                           void *vc, int dtype, const int64_t *slots,
-                                                           const float *cos, const float *sin, int t, int kv_heads,
-                                                           int d, int bs) {
+/* A key rotated by its block offset's rope row (c, s): x * cos, then each half takes its partner times
+ * sin, each product rounded (no fused multiply-add), as reference.rotate computes it. */
+__attribute__((optimize("fp-contract=off"))) static inline void rotate_key(const float *k, const float *c,
+                                                                          const float *s, int d, float *rot) {
     const int half = d / 2;
+    for (int j = 0; j < half; j++) {
+        rot[j] = k[j] * c[j] - k[j + half] * s[j];
+        rot[j + half] = k[j + half] * c[j + half] + k[j] * s[j];
+    }
+}
+
+/* One row into int8 codes and its scale, exactly as quant.quantize computes them: scale = max|x| / 127
+ * (1 for a row of zeros), codes x / scale rounded half away from zero, clamped to +-127. */
+static inline void quantize_row_int8(const float *x, int d, int8_t *q, float *scale) {
+    float amax = 0.0f;
+    for (int j = 0; j < d; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    const float sc = amax > 0.0f ? amax / 127.0f : 1.0f;
+    for (int j = 0; j < d; j++) {
+        const float y = x[j] / sc, r = y >= 0.0f ? floorf(y + 0.5f) : ceilf(y - 0.5f);
+        q[j] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+    *scale = sc;
+}
+
+/* A pool row (`row`: slot * kv_heads + head) of d values stored as the pool's dtype (0/1/2, or 3: int8
+ * with its scale at ks[row]). */
+static inline void store_row(void *pool, int dtype, float *ks, int64_t row, const float *x, int d) {
+    const int64_t at = row * d;
+    if (dtype == 0) {
+        memcpy((float *)pool + at, x, sizeof(float) * d);
+    } else if (dtype == 1) {  /* round to nearest even, as torch's float -> bfloat16 */
+        uint16_t *p = (uint16_t *)pool + at;
+        for (int j = 0; j < d; j++) {
+            uint32_t u;
+            memcpy(&u, x + j, 4);
+            p[j] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+        }
+    } else if (dtype == 2) {
+        _Float16 *p = (_Float16 *)pool + at;
+        for (int j = 0; j < d; j++) p[j] = (_Float16)x[j];
+    } else {
+        quantize_row_int8(x, d, (int8_t *)pool + at, ks + row);
+    }
+}
+
+/* Scatter t tokens' keys and values (t, kv_heads, d) float32 into their slots, each key rotated by its
+ * offset in its block (slot % bs) as reference.write_kv does. */
+static void write_rows(const float *key, const float *value, void *kc, void *vc, int dtype, float *ks, float *vs,
+                       const int64_t *slots, const float *cos, const float *sin, int t, int kv_heads, int d,
+                       int bs) {
     float rot[MAX_D];
     for (int i = 0; i < t; i++) {
         const int64_t slot = slots[i];
         const float *c = cos + (slot % bs) * d, *s = sin + (slot % bs) * d;
         for (int h = 0; h < kv_heads; h++) {
-            const float *k = key + ((int64_t)i * kv_heads + h) * d, *v = value + ((int64_t)i * kv_heads + h) * d;
-            for (int j = 0; j < half; j++) {
-                rot[j] = k[j] * c[j] - k[j + half] * s[j];
-                rot[j + half] = k[j + half] * c[j + half] + k[j] * s[j];
-            }
-            const int64_t at = (slot * kv_heads + h) * d;
-            if (dtype == 0) {
-                memcpy((float *)kc + at, rot, sizeof(float) * d);
-                memcpy((float *)vc + at, v, sizeof(float) * d);
-            } else if (dtype == 1) {  /* round to nearest even, as torch's float -> bfloat16 */
-                uint16_t *kb = (uint16_t *)kc + at, *vb = (uint16_t *)vc + at;
-                for (int j = 0; j < d; j++) {
-                    uint32_t u, w;
-                    memcpy(&u, rot + j, 4);
-                    memcpy(&w, v + j, 4);
-                    kb[j] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-                    vb[j] = (uint16_t)((w + 0x7FFF + ((w >> 16) & 1)) >> 16);
-                }
-            } else {
-                _Float16 *kh = (_Float16 *)kc + at, *vh = (_Float16 *)vc + at;
-                for (int j = 0; j < d; j++) {
-                    kh[j] = (_Float16)rot[j];
-                    vh[j] = (_Float16)v[j];
-                }
-            }
+            const int64_t row = slot * kv_heads + h, in = ((int64_t)i * kv_heads + h) * d;
+            rotate_key(key + in, c, s, d, rot);
+            store_row(kc, dtype, ks, row, rot, d);
+            store_row(vc, dtype, vs, row, value + in, d);
         }
     }
+}
+
+/* Into a float pool (dtype 0/1/2 as paged_decode's). */
+void write_kv(const float *key, const float *value, void *kc, void *vc, int dtype, const int64_t *slots,
+              const float *cos, const float *sin, int t, int kv_heads, int d, int bs) {
+    if (dtype < 0 || dtype > 2) return;
+    write_rows(key, value, kc, vc, dtype, NULL, NULL, slots, cos, sin, t, kv_heads, d, bs);
+}
+
+/* Into an int8 pool with one float32 scale per row (k_scale, v_scale: (num_blocks, bs, kv_heads)),
+ * each row quantized as reference.write_kv quantizes it, bit for bit. The torch reference took about
+ * ten times as long for 16 tokens (a dozen small ops per layer). */
+void write_kv_int8(const float *key, const float *value, int8_t *kc, int8_t *vc, float *k_scale, float *v_scale,
+                   const int64_t *slots, const float *cos, const float *sin, int t, int kv_heads, int d, int bs) {
+    write_rows(key, value, kc, vc, 3, k_scale, v_scale, slots, cos, sin, t, kv_heads, d, bs);
 }

@@ -192,8 +192,9 @@ class CpuBackend(TorchBackend):
     """The torch backend with decode attention and the KV write by the C kernels (kernels/cpu_decode.c,
     MLA decode kernels/cpu_mla.c):
     decode reads the pool's blocks in place instead of gathering them, float pools and int8/fp8 ones (with
-    a scale per token per KV head) alike. Prefill attention, int4 pools and the write into quantized pools
-    are the reference's. The kernels are held to the reference by the tests."""
+    a scale per token per KV head) alike; the write too, into float and int8 pools. Prefill attention,
+    int4 pools and the write into fp8 and int4 pools are the reference's. The kernels are held to the
+    reference by the tests."""
 
     name = "cpu"
 
@@ -212,7 +213,7 @@ class CpuBackend(TorchBackend):
     def write(self, kv: LayerKV, key: torch.Tensor, value: torch.Tensor, plan: StepPlan) -> None:
         rows, cos, sin = plan.write
         if cpu.writes(kv.key, kv.k_scale, key.shape[-1]):
-            cpu.write_kv(kv.key, kv.value, key, value, plan.meta.slot_mapping, cos, sin)
+            cpu.write_kv(kv.key, kv.value, key, value, plan.meta.slot_mapping, cos, sin, kv.k_scale, kv.v_scale)
         else:
             reference.store_kv(kv.key, kv.value, key, value, plan.meta.slot_mapping, *rows, kv.k_scale, kv.v_scale)
 

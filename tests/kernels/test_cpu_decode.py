@@ -123,7 +123,9 @@ def test_refuses_what_it_cannot_read():
     int4 = torch.zeros(3, 16, 1, 32, dtype=torch.uint8)
     assert not cpu.supports(int4, torch.zeros(3, 16, 1, 2, 2, dtype=torch.float16), 64)
     int8 = Pool([20], num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.int8)
-    assert cpu.supports(int8.key, int8.k_scale, 64) and not cpu.writes(int8.key, int8.k_scale, 64)
+    assert cpu.supports(int8.key, int8.k_scale, 64) and cpu.writes(int8.key, int8.k_scale, 64)
+    fp8 = Pool([20], num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float8_e4m3fn)
+    assert cpu.supports(fp8.key, fp8.k_scale, 64) and not cpu.writes(fp8.key, fp8.k_scale, 64)  # reference's
     assert not cpu.supports(int8.key, int8.k_scale.double(), 64)
     assert not cpu.supports(int8.key, int8.k_scale[:, :8], 64)
     f32 = Pool([20], num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32)

@@ -181,6 +181,14 @@ def test_rms_norm_matches_torch():
     assert cpu.rms_norm(randn(cpu.SKINNY_MAX_ROWS + 1, 8), randn(8), 1e-5) is None
 
 
+def rope_tables(positions: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (positions, d) contiguous float32, rotate-half layout."""
+    pos = torch.arange(positions, dtype=torch.float32)[:, None]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    emb = torch.cat([pos * inv, pos * inv], dim=1)
+    return emb.cos().contiguous(), emb.sin().contiguous()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_write_kv_matches_reference(dtype):
     """Keys rotated by their offset in the block and values, into scattered slots, as the reference."""
@@ -189,10 +197,7 @@ def test_write_kv_matches_reference(dtype):
     ref = [torch.zeros(blocks, bs, kvh, d, dtype=dtype) for _ in range(2)]
     key, value = randn(7, kvh, d), randn(7, kvh, d, seed=1)
     slots = torch.tensor([17, 18, 40, 41, 5, 95, 64])
-    pos = torch.arange(64, dtype=torch.float32)[:, None]
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    emb = torch.cat([pos * inv, pos * inv], dim=1)
-    cos, sin = emb.cos().contiguous(), emb.sin().contiguous()
+    cos, sin = rope_tables(64, d)
     cpu.write_kv(*ours, key, value, slots, cos, sin)
     reference.write_kv(*ref, key, value, slots, cos, sin)
     tol = 0 if dtype == torch.float32 else 1e-2
@@ -207,3 +212,24 @@ def test_bundled_model_keeps_the_gguf_blocks_beside_its_dense_weights():
     assert {layer.qkv.groups.bits for layer in model.layers} == {4}
     assert all(layer.down.groups is not None and layer.gate_up.groups is not None for layer in model.layers)
     assert model.lm_head.groups.bits == 8
+
+
+def test_write_kv_into_an_int8_pool_matches_reference_bit_for_bit():
+    """Rotated keys and values quantized per row (codes and scales) exactly as the reference quantizes them,
+    a row of zeros (scale 1) and rows that round at .5 included."""
+    blocks, bs, kvh, d = 6, 16, 3, 64
+    pools = [[torch.zeros(blocks, bs, kvh, d, dtype=torch.int8) for _ in range(2)]
+             + [torch.zeros(blocks, bs, kvh) for _ in range(2)] for _ in range(2)]
+    key, value = randn(7, kvh, d), randn(7, kvh, d, seed=1)
+    value[2, 1] = 0.0
+    value[3, 0] = torch.arange(d) - 31.5  # codes at half steps
+    slots = torch.tensor([17, 18, 40, 41, 5, 95, 64])
+    cos, sin = rope_tables(bs, d)
+    assert cpu.writes(pools[0][0], pools[0][2], d)
+    ours, ref = pools
+    cpu.write_kv(ours[0], ours[1], key, value, slots, cos, sin, ours[2], ours[3])
+    reference.write_kv(ref[0], ref[1], key, value, slots, cos, sin, ref[2], ref[3])
+    for got, want in zip(ours, ref):
+        assert torch.equal(got, want)
+    assert ours[3].view(-1, kvh)[40, 1] == 1.0  # the zero row (token 2, slot 40)
+    assert not cpu.writes(torch.zeros(blocks, bs, kvh, d, dtype=torch.float8_e4m3fn), ours[2], d)  # fp8: reference
