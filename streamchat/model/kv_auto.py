@@ -60,10 +60,10 @@ def pick(measured: dict[str, KvMeasured]) -> KvChoice:
     order = sorted(measured, key=lambda n: (measured[n].bytes_per_token, measured[n].ppl))
     choice = next(name for name in order if name == "float" or fits(name))
     others = [f"{n} ({costs(n)})" for n in order if n not in (choice, "float")]
-    bounds = f"bounds: perplexity +{PPL_TOLERANCE:.1%}, step +{STEP_TOLERANCE:.0%} against float"
-    head = (f"{choice}: the smallest storage within {bounds}: {costs(choice)}" if choice != "float"
+    bounds = f"perplexity +{PPL_TOLERANCE:.1%} and step +{STEP_TOLERANCE:.0%} of float's"
+    head = (f"{choice}, the fewest bytes within {bounds}: {costs(choice)}" if choice != "float"
             else f"float: no smaller storage within {bounds}")
-    return KvChoice(choice, f"auto chose {head}" + (f"; measured also {', '.join(others)}" if others else ""))
+    return KvChoice(choice, f"auto chose {head}" + (f"; also measured {', '.join(others)}" if others else ""))
 
 
 def decision_path(cache_dir: Path, fingerprint: str, device: str, dtype: str, backend: str) -> Path:

@@ -16,7 +16,7 @@ from streamchat.model.llama import LlamaModel
 from streamchat.model.runner import ModelRunner
 from streamchat.model.weights import LinearBuilder
 
-BOUNDS = "bounds: perplexity +0.5%, step +5% against float"
+BOUNDS = "perplexity +0.5% and step +5% of float's"
 
 
 def measured(int8_ppl: float = 20.004, int8_ms: float = 102.0) -> dict[str, KvMeasured]:
@@ -28,8 +28,8 @@ def test_pick_takes_the_fewest_bytes_within_both_bounds():
     """int4 is smaller but costs 5% perplexity; int8 and fp8 take the same bytes, int8 the lower perplexity."""
     choice = pick(measured())
     assert choice.kv_dtype == "int8"
-    assert choice.reason == (f"auto chose int8: the smallest storage within {BOUNDS}: perplexity +0.02%, "
-                             "step +2.0%, 26% of the bytes; measured also int4 (perplexity +5.00%, step -10.0%, "
+    assert choice.reason == (f"auto chose int8, the fewest bytes within {BOUNDS}: perplexity +0.02%, "
+                             "step +2.0%, 26% of the bytes; also measured int4 (perplexity +5.00%, step -10.0%, "
                              "14% of the bytes), fp8 (perplexity +0.25%, step +1.0%, 26% of the bytes)")
 
 
@@ -40,7 +40,7 @@ def test_pick_falls_to_the_next_storage_and_then_float(int8_ppl, int8_ms):
     both = measured(int8_ppl, int8_ms) | {"fp8": KvMeasured(20.5, 100.0, 260)}
     choice = pick(both)
     assert choice.kv_dtype == "float" and choice.reason.startswith(f"auto chose float: no smaller storage within "
-                                                                   f"{BOUNDS}; measured also int4")
+                                                                   f"{BOUNDS}; also measured int4")
 
 
 def test_a_storage_past_the_perplexity_bound_is_not_timed():
