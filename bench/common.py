@@ -225,3 +225,23 @@ def hf_padded(model, inputs: list[list[int]], tokens, pad_id: int) -> int:
                              do_sample=False, pad_token_id=pad_id)
     assert out.shape[1] - width == longest
     return sum(lengths)
+
+
+# -- versions of the CPU kernels, timed side by side ----------------------------
+
+def kernel_version(decode_source: Path):
+    """The CPU kernels with `decode_source` as cpu_decode.c, beside this checkout's other sources (an
+    older cpu_decode.c that still holds the weight products itself leaves cpu_linear*.c out), loaded
+    as a library of their own. Entry points it lacks (a newer kernel's) are missing from it."""
+    from streamchat.kernels import cpu
+
+    own_products = "group_linear(" in Path(decode_source).read_text()
+    others = [s for s in cpu.cpu_build.SOURCES[1:] if not (own_products and s.name.startswith("cpu_linear"))]
+    return cpu.build_library([Path(decode_source).resolve(), *others])
+
+
+def use_library(lib) -> None:
+    """Make `lib` the process's kernel library (what every kernel call goes through) until the next call."""
+    from streamchat.kernels import cpu
+
+    cpu._tried, cpu._lib = True, lib

@@ -25,37 +25,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch  # noqa: E402
 
-from kernels import cpu  # noqa: E402
+import common  # noqa: E402 - bench/ is this script's folder
+from streamchat.kernels import cpu  # noqa: E402
 
 MATRICES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # one layer
 HEAD = (49152, 576)
 
 
 def load(source: Path, cache: Path):
-    """The kernel library built from `source` (a cpu_decode.c, beside this checkout's other sources) into its
-    own cache folder."""
-    build = cpu.cpu_build
-    cpu._tried, cpu._lib, build.SOURCES = False, None, [source, *build.SOURCES[1:]]
+    """The kernel library built from `source` (a cpu_decode.c, beside this checkout's other sources: see
+    common.kernel_version) into its own cache folder."""
     os.environ["STREAMCHAT_KERNEL_CACHE"] = str(cache)
-    lib = cpu.library()
-    if lib is None:
-        raise SystemExit(f"{source}: the kernel did not build (see the log)")
-    return lib
+    return common.kernel_version(source)
 
 
 def timed(libs: list, reps: int, call) -> list[list[float]]:
     times = [[] for _ in libs]
     for _ in range(reps):
         for i, lib in enumerate(libs):
-            cpu._lib = lib
+            common.use_library(lib)
             t = time.perf_counter()
             call(i)
             times[i].append(time.perf_counter() - t)

@@ -16,10 +16,20 @@ step's operators. `--mass` alternates plain steps with steps that also
 compute the attention mass per block (`ModelRunner.execute_with_mass`, what
 an h2o session's step costs) and reports both medians and their ratio.
 
+Variants, timed step by step in turn (A B C A B C ...) so that a busy host
+slows them alike: `--against OLD.c` (repeatable) adds another version of the
+CPU kernels (kernels/cpu_decode.c as it was, e.g. `git show
+main:kernels/cpu_decode.c > /tmp/old.c`) running the same model and pool;
+`--kv-dtype float,int8` a pool per KV storage; `--decode-activations
+float32,int8` a model per activation format of the grouped products. One
+session's decode speed before and after a kernel change:
+
+    python bench/step.py --sessions 1 --cached 200 --steps 60 --against /tmp/old.c
+
 Uses only what the runner has offered since before issue #15 (runner,
 manager, StepBatch), so the same file times an older checkout: run it with
 that checkout first on PYTHONPATH and interleave the runs (A B A B) on a
-shared machine.
+shared machine (without the variant flags, which are newer).
 """
 
 from __future__ import annotations
@@ -38,12 +48,15 @@ import json  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import torch  # noqa: E402
 
 from streamchat.cache.block_pool import BlockPool  # noqa: E402
 from streamchat.cache.manager import KVCacheManager  # noqa: E402
 from streamchat.config import CacheConfig, ModelConfig  # noqa: E402
+from streamchat.kernels import cpu  # noqa: E402
 from streamchat.model.batch import SeqChunk, StepBatch  # noqa: E402
 from streamchat.model.runner import ModelRunner, load_model  # noqa: E402
 
@@ -58,6 +71,9 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--mass", action="store_true", help="alternate with steps that compute h2o's attention mass")
+    p.add_argument("--kv-dtype", default="float", help="KV storage, or several comma-separated (float,int8)")
+    p.add_argument("--decode-activations", default="float32", help="float32, int8, or both comma-separated")
+    p.add_argument("--against", action="append", default=[], help="another cpu_decode.c to time alongside")
     return p.parse_args(argv)
 
 
@@ -88,52 +104,95 @@ class Sessions:
         return StepBatch(decode=chunks)
 
 
+class Variant(NamedTuple):
+    """One way of running the step: a runner (model, pool) with its sessions, and the kernel library."""
+
+    name: str
+    runner: ModelRunner
+    sessions: Sessions
+    library: object  # the CPU kernels' ctypes library (common.use_library); None without them
+
+
+def variants(args) -> list[Variant]:
+    """Every (activations, KV dtype, kernel version) the flags ask for; versions share a runner."""
+    acts, kv_dtypes = args.decode_activations.split(","), args.kv_dtype.split(",")
+    libs = [("this", cpu.library())] + [(Path(a).stem, common.kernel_version(Path(a))) for a in args.against]
+    out = []
+    for act in acts:
+        loaded = load_model(ModelConfig(dtype=args.dtype, decode_activations=act))
+        per_seq_blocks = -(-(args.cached + len(libs) * (args.warmup + args.steps + 1) + 64) // 16)
+        for kv in kv_dtypes:
+            cache = CacheConfig(num_blocks=args.sessions * per_seq_blocks + 8, kv_dtype=kv)
+            runner = ModelRunner(loaded, cache)
+            sessions = Sessions(runner, cache, args.sessions, args.cached)
+            for lib_name, lib in libs if act == "float32" else libs[:1]:  # older kernels: float32 only
+                name = " ".join([lib_name] + ([f"kv={kv}"] if len(kv_dtypes) > 1 else [])
+                                + ([f"x={act}"] if len(acts) > 1 else []))
+                out.append(Variant(name, runner, sessions, lib))
+    return out
+
+
+def step(v: Variant, mass: bool = False) -> tuple[float, float]:
+    """(wall, CPU) seconds of one decode step of all v's sessions."""
+    if v.library is not None:
+        common.use_library(v.library)
+    batch = v.sessions.batch()  # scheduling work is not the runner's: left out of the time
+    start, cpu_start = time.perf_counter(), time.process_time()
+    (v.runner.execute_with_mass if mass else v.runner.execute)(batch)
+    return time.perf_counter() - start, time.process_time() - cpu_start
+
+
+def summary(args, v: Variant, times: list[float], cpu_times: list[float]) -> dict:
+    loaded, s = v.runner.loaded, v.runner.model.shape
+    cached = [len(seq.token_ids) for seq in v.sessions.seqs]
+    ms = sorted(t * 1e3 for t in times)
+    return dict(bench="step", sessions=args.sessions, cached_tokens=round(statistics.mean(cached)),
+                model=loaded.source.name, dtype=str(loaded.model.dtype), layers=s.num_layers,
+                threads=torch.get_num_threads(), backend=loaded.model.backend.name, steps=args.steps,
+                step_ms_median=round(statistics.median(ms), 1), step_ms_p10=round(ms[len(ms) // 10], 1),
+                step_ms_p90=round(ms[(9 * len(ms)) // 10], 1),
+                cpu_ms_median=round(statistics.median(cpu_times) * 1e3, 1))
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(ModelConfig(dtype=args.dtype))
-    s = loaded.model.shape
-    per_seq_blocks = -(-(args.cached + args.warmup + args.steps + 64) // 16)
-    cache = CacheConfig(num_blocks=args.sessions * per_seq_blocks + 8)
-    runner = ModelRunner(loaded, cache)
-    sessions = Sessions(runner, cache, args.sessions, args.cached)
+    vs = variants(args)
     for _ in range(args.warmup):
-        runner.execute(sessions.batch())
-    times, cpu_times, mass_cpu = [], [], []
-    for _ in range(args.steps):
-        batch = sessions.batch()  # scheduling work is not the runner's: left out of the time
-        start, cpu_start = time.perf_counter(), time.process_time()
-        runner.execute(batch)
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)
+        for v in vs:
+            step(v)
+    times = {v.name: [] for v in vs}
+    cpu_times = {v.name: [] for v in vs}
+    mass_cpu = []
+    for i in range(args.steps):
+        for v in vs[i % len(vs):] + vs[:i % len(vs)]:  # each variant leads in turn
+            wall, used = step(v)
+            times[v.name].append(wall)
+            cpu_times[v.name].append(used)
         if args.mass:  # interleaved (A B A B): the machine's load hits both alike
-            batch = sessions.batch()
-            cpu_start = time.process_time()
-            runner.execute_with_mass(batch)
-            mass_cpu.append(time.process_time() - cpu_start)
-    cached = [len(seq.token_ids) for seq in sessions.seqs]
-    ms = sorted(t * 1e3 for t in times)
-    row = dict(bench="step", sessions=args.sessions, cached_tokens=round(statistics.mean(cached)),
-               model=loaded.source.name, dtype=str(loaded.model.dtype), layers=s.num_layers,
-               threads=torch.get_num_threads(), backend=loaded.model.backend.name, steps=args.steps,
-               step_ms_median=round(statistics.median(ms), 1), step_ms_p10=round(ms[len(ms) // 10], 1),
-               step_ms_p90=round(ms[(9 * len(ms)) // 10], 1),
-               cpu_ms_median=round(statistics.median(cpu_times) * 1e3, 1))
-    print(f"{args.sessions} sessions x {row['cached_tokens']} cached tokens, {row['dtype']}, "
-          f"{row['threads']} threads, {row['backend']} attention: decode step median {row['step_ms_median']} ms "
-          f"(p10 {row['step_ms_p10']}, p90 {row['step_ms_p90']}), CPU time {row['cpu_ms_median']} ms")
+            mass_cpu.append(step(vs[0], mass=True)[1])
+    rows = {v.name: summary(args, v, times[v.name], cpu_times[v.name]) for v in vs}
+    for v in vs:
+        row = rows[v.name]
+        print(f"{v.name + ': ' if len(vs) > 1 else ''}{args.sessions} sessions x {row['cached_tokens']} cached "
+              f"tokens, {row['dtype']}, {row['threads']} threads, {row['backend']} attention: decode step median "
+              f"{row['step_ms_median']} ms (p10 {row['step_ms_p10']}, p90 {row['step_ms_p90']}), "
+              f"CPU time {row['cpu_ms_median']} ms")
+    row = rows[vs[0].name]
     if args.mass:
-        plain, mass = statistics.median(cpu_times) * 1e3, statistics.median(mass_cpu) * 1e3
+        plain, mass = statistics.median(cpu_times[vs[0].name]) * 1e3, statistics.median(mass_cpu) * 1e3
         row.update(mass_cpu_ms_median=round(mass, 1), mass_overhead=round(mass / plain - 1, 4))
         print(f"with attention mass (h2o): CPU time {mass:.1f} ms, {100 * (mass / plain - 1):+.1f}%")
     if args.profile:
         from torch.profiler import profile
 
-        batch = sessions.batch()
+        batch = vs[0].sessions.batch()
         with profile() as prof:
-            runner.execute(batch)
+            vs[0].runner.execute(batch)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    if len(vs) > 1:
+        row = dict(bench="step", variants=rows)
     print(json.dumps(row))
     return 0
 

@@ -34,6 +34,7 @@ from streamchat.kernels import cpu_build
 log = logging.getLogger("streamchat.kernels")
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+SCALED = {torch.int8: 3, torch.float8_e4m3fn: 4}  # codes read as codes.float() * scale per token per KV head
 RUN_TOKENS = 256  # keys per work item at most (whole blocks): a context of 2,048 in blocks of 16 is 8 items
 MAX_HEADS, MAX_HEAD_DIM, MAX_HEADS_X_DIM = 128, 256, 8192  # the kernel's fixed arrays (cpu_decode.c)
 
@@ -58,7 +59,7 @@ def library() -> ctypes.CDLL | None:
         _tried = True
         cc = os.environ.get("CC", "cc")
         try:
-            lib = ctypes.CDLL(str(cpu_build.build(cc)))
+            lib = build_library()
         except cpu_build.UntrustedCache as e:
             log.warning("the CPU decode kernel is not loaded: %s; set STREAMCHAT_KERNEL_CACHE to a folder only "
                         "this user can write. Decode attention runs the torch reference instead", e)
@@ -68,29 +69,38 @@ def library() -> ctypes.CDLL | None:
             log.warning("the CPU decode kernel could not be built with %r (%s); decode attention runs the "
                         "torch reference instead", cc, detail.strip().splitlines()[-1:] or e)
             return None
-        _declare(lib)
         _lib = lib
         return lib
 
 
+def build_library(sources: list | None = None) -> ctypes.CDLL:
+    """The kernels of `sources` (default cpu_build.SOURCES) built with $CC and loaded, signatures declared;
+    raises what cpu_build.build raises. `library()` is the process's; benchmarks load other versions."""
+    lib = ctypes.CDLL(str(cpu_build.build(os.environ.get("CC", "cc"), sources)))
+    _declare(lib)
+    return lib
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    """The C signatures (cpu_decode.c)."""
-    f = lib.paged_decode
-    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    f.argtypes = [p, p, p, i, p, i64, p, p, p, p, p, i64, p, p, i, i, i, i, i, i, i, ctypes.c_float]
-    f.restype = i
-    lib.skinny_linear.argtypes = [p, p, p, i, i, i]
-    lib.skinny_linear.restype = None
-    lib.group_linear.argtypes = [p, p, i, p, p, p, i, i, i]
-    lib.group_linear.restype = i
-    lib.group_dequantize.argtypes = [p, i, p, p, p, i, i]
-    lib.group_dequantize.restype = None
-    lib.rms_norm.argtypes = [p, p, p, i, i, ctypes.c_float]
-    lib.rms_norm.restype = None
-    lib.write_kv.argtypes = [p, p, p, p, i, p, p, p, i, i, i, i]
-    lib.write_kv.restype = None
-    lib.mla_decode.argtypes = [p, p, i, p, i64, p, p, p, p, p, i64, p, p, i, i, i, i, i, i, i, ctypes.c_float]
-    lib.mla_decode.restype = i
+    """The C signatures (cpu_decode.c, cpu_linear.c, cpu_mla.c) of those the library has (a benchmark's
+    older version may lack the newer ones)."""
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "paged_decode": ([p, p, p, i, p, i64, p, p, p, p, p, i64, p, p, i, i, i, i, i, i, i, f], i),
+        "paged_decode_quantized": ([p, p, p, i, p, p, p, i64, p, p, p, p, p, i64, p, p, i, i, i, i, i, i, i, f], i),
+        "skinny_linear": ([p, p, p, i, i, i], None),
+        "group_linear": ([p, p, i, p, p, p, i, i, i], i),
+        "group_linear_x8": ([p, p, i, p, p, p, i, i, i], i),
+        "group_dequantize": ([p, i, p, p, p, i, i], None),
+        "rms_norm": ([p, p, p, i, i, f], None),
+        "write_kv": ([p, p, p, p, i, p, p, p, i, i, i, i], None),
+        "write_kv_int8": ([p, p, p, p, p, p, p, p, p, i, i, i, i], None),
+        "mla_decode": ([p, p, i, p, i64, p, p, p, p, p, i64, p, p, i, i, i, i, i, i, i, f], i),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
 
 
 SKINNY_MAX_ROWS = 32  # up to here `skinny_linear` measured faster than MKL's sgemm (1.0-5.8x; see cpu_decode.c)
@@ -151,13 +161,20 @@ class Groups:
         return (self.q.data_ptr(), self.bits, self.scale.data_ptr(),
                 None if self.zero is None else self.zero.data_ptr())
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x (M, K) float32 @ W.T for M <= SKINNY_MAX_ROWS by the kernel; None past it."""
-        if x.shape[0] > SKINNY_MAX_ROWS or library() is None:
+    def matmul(self, x: torch.Tensor, x8: bool = False) -> torch.Tensor | None:
+        """x (M, K) float32 @ W.T for M <= SKINNY_MAX_ROWS by the kernel; None past it.
+
+        x8: x rounded to 8 bits per group of 32 and multiplied in integers (`group_linear_x8`: faster,
+        not exact; the float kernel where the build has no AVX2)."""
+        lib = library()
+        if x.shape[0] > SKINNY_MAX_ROWS or lib is None:
             return None
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
-        rc = library().group_linear(x.data_ptr(), *self._ptrs(), out.data_ptr(), x.shape[0], self.n, self.k)
+        args = (x.data_ptr(), *self._ptrs(), out.data_ptr(), x.shape[0], self.n, self.k)
+        rc = lib.group_linear_x8(*args) if x8 else -1
+        if rc != 0:
+            rc = lib.group_linear(*args)
         return out if rc == 0 else None
 
     def dequantize(self, out: torch.Tensor) -> torch.Tensor:
@@ -193,22 +210,49 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """reference.write_kv into an unquantized CPU pool (`supports`): key, value (T, KVH, D); cos/sin the
-    contiguous float32 rope tables."""
+             slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """reference.write_kv into a CPU pool `writes` takes: key, value (T, KVH, D); cos/sin the contiguous
+    float32 rope tables; k_scale/v_scale with an int8 pool."""
     t, kv_heads, head_dim = key.shape
     key = key.float().contiguous()
     value = value.float().contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
-    library().write_kv(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                       DTYPES[key_cache.dtype], slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, kv_heads,
-                       head_dim, key_cache.shape[1])
+    rows = (slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, kv_heads, head_dim, key_cache.shape[1])
+    if k_scale is None:
+        library().write_kv(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                           DTYPES[key_cache.dtype], *rows)
+    else:
+        library().write_kv_int8(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                                k_scale.data_ptr(), v_scale.data_ptr(), *rows)
+
+
+def writes(key_cache: torch.Tensor, k_scale: torch.Tensor | None, head_dim: int) -> bool:
+    """Whether `write_kv` writes this pool: unquantized float32/bfloat16/float16 on the CPU, or int8 with
+    its scales (fp8 and int4 pools are written by the reference)."""
+    if k_scale is None:
+        return _cpu_rows(key_cache, head_dim) and key_cache.dtype in DTYPES
+    return (key_cache.dtype == torch.int8 and hasattr(library(), "write_kv_int8") and _cpu_rows(key_cache, head_dim)
+            and _scaled_rows(key_cache, k_scale))
 
 
 def supports(key_cache: torch.Tensor, k_scale: torch.Tensor | None, head_dim: int) -> bool:
-    """Whether the kernel reads this pool: unquantized float32/bfloat16/float16 on the CPU."""
-    return (k_scale is None and key_cache.device.type == "cpu" and key_cache.dtype in DTYPES
-            and key_cache.shape[-1] == head_dim and key_cache.is_contiguous())
+    """Whether `paged_decode` reads this pool: unquantized as `writes`, or int8 / float8 e4m3fn codes with their
+    scales, when the loaded library has that entry (a benchmark's older kernels do not: their callers ran
+    the reference)."""
+    if k_scale is None:
+        return writes(key_cache, k_scale, head_dim)
+    return (key_cache.dtype in SCALED and hasattr(library(), "paged_decode_quantized")
+            and _cpu_rows(key_cache, head_dim) and _scaled_rows(key_cache, k_scale))
+
+
+def _cpu_rows(key_cache: torch.Tensor, head_dim: int) -> bool:
+    return key_cache.device.type == "cpu" and key_cache.is_contiguous() and key_cache.shape[-1] == head_dim
+
+
+def _scaled_rows(key_cache: torch.Tensor, k_scale: torch.Tensor) -> bool:
+    """One contiguous float32 scale per token per KV head, (num_blocks, block_size, kv_heads) (quant.py)."""
+    return k_scale.dtype == torch.float32 and k_scale.is_contiguous() and k_scale.shape == key_cache.shape[:3]
 
 
 def fits(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
@@ -250,8 +294,10 @@ def mass_scratch(block_mass: torch.Tensor | None, max_blocks: int, stats: torch.
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  scale: float, block_mass: torch.Tensor | None = None,
-                 partial: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
-    """reference.paged_decode_attention for an unquantized CPU pool: q (B, H, D) -> out (B, H, D) in q's dtype.
+                 partial: torch.Tensor | None = None, stats: torch.Tensor | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.paged_decode_attention for a CPU pool `supports` takes: q (B, H, D) -> out (B, H, D) in q's
+    dtype; k_scale/v_scale with an int8 or float8 pool.
 
     block_tables (B, max_blocks) and seq_lens (B,) must be contiguous int32,
     cos/sin contiguous float32; `partial`/`stats` are float32 scratch of at
@@ -264,8 +310,10 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     _, block_size, num_kv_heads, _ = key_cache.shape
     max_blocks = block_tables.shape[1]
     check_step(block_tables, seq_lens, cos, sin)
-    if not supports(key_cache, None, head_dim) or value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"the CPU decode kernel reads contiguous float pools, not {key_cache.dtype}")
+    if (not supports(key_cache, k_scale, head_dim) or not supports(value_cache, v_scale, head_dim)
+            or value_cache.dtype != key_cache.dtype):
+        raise ValueError(f"the CPU decode kernel reads contiguous float pools and int8/fp8 pools with their "
+                         f"scales, not {key_cache.dtype} (scales given: {k_scale is not None})")
     qf = q.to(torch.float32).contiguous()
     out = torch.empty_like(qf)
     n_partial, n_stats = scratch_sizes(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks, block_size)
@@ -273,11 +321,15 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         partial = torch.empty(n_partial, dtype=torch.float32)
     mass_ptr, mass_stride, stats = mass_scratch(block_mass, max_blocks, stats, n_stats)
     stats_ptr = None if stats is None else stats.data_ptr()
-    rc = lib.paged_decode(qf.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), DTYPES[key_cache.dtype],
-                          block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), cos.data_ptr(),
-                          sin.data_ptr(), out.data_ptr(), mass_ptr, mass_stride, partial.data_ptr(), stats_ptr,
-                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, chunk_blocks(block_size),
-                          float(scale))
+    head = (qf.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr())
+    tail = (block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            out.data_ptr(), mass_ptr, mass_stride, partial.data_ptr(), stats_ptr, num_seqs, num_heads,
+            num_kv_heads, head_dim, block_size, max_blocks, chunk_blocks(block_size), float(scale))
+    if k_scale is None:
+        rc = lib.paged_decode(*head, DTYPES[key_cache.dtype], *tail)
+    else:
+        rc = lib.paged_decode_quantized(*head, SCALED[key_cache.dtype], k_scale.data_ptr(), v_scale.data_ptr(),
+                                        *tail)
     if rc != 0:
         raise ValueError(f"the CPU decode kernel does not take this shape (group {num_heads // num_kv_heads}, "
                          f"head_dim {head_dim}, block_size {block_size})")

@@ -1,4 +1,5 @@
-"""Building the CPU kernels (cpu_decode.c, cpu_mla.c) once per machine, into a cache only this user can change.
+"""Building the CPU kernels (cpu_decode.c, cpu_mla.c, cpu_linear*.c) once per machine, into a cache only this
+user can change.
 
 Build: `$CC` (default `cc`) with -O3 -march=native -fopenmp into
 `$STREAMCHAT_KERNEL_CACHE` (default ~/.cache/streamchat/kernels, made 0700),
@@ -27,8 +28,8 @@ from streamchat import private_files
 
 log = logging.getLogger("streamchat.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_mla.c")]
-HEADERS = [Path(__file__).with_name("cpu_common.h")]  # included by the sources: part of the build's key
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_mla.c", "cpu_linear.c", "cpu_linear_x8.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_linear.h")]  # part of the build's key
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
@@ -53,27 +54,29 @@ class UntrustedCache(Exception):
     """The kernel cache folder may be changed by someone else: nothing in it is loaded."""
 
 
-def _key(cc: str) -> str:
+def _key(cc: str, sources: list[Path]) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    texts = [f.read_text() for f in SOURCES + HEADERS]
+    texts = [f.read_text() for f in sources + HEADERS]
     return hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, _cpu_flags(),
                                       platform.machine()]).encode()).hexdigest()[:16]
 
 
-def _compile(cc: str, out: str) -> None:
-    include = f"-I{HEADERS[0].parent}"  # the shared header, for a source built from elsewhere (benchmarks)
-    subprocess.run([cc, *FLAGS, include, *map(str, SOURCES), "-o", out, "-lm"], capture_output=True, text=True,
+def _compile(cc: str, sources: list[Path], out: str) -> None:
+    include = f"-I{HEADERS[0].parent}"  # the shared headers, for a source built from elsewhere (benchmarks)
+    subprocess.run([cc, *FLAGS, include, *map(str, sources), "-o", out, "-lm"], capture_output=True, text=True,
                    timeout=300, check=True)
 
 
-def build(cc: str) -> Path:
-    """The library for this source, compiler and machine: the cached one if only this user can change it
-    and its folder, else a fresh private build over it. UntrustedCache if others may write the folder."""
+def build(cc: str, sources: list[Path] | None = None) -> Path:
+    """The library for these sources (default SOURCES), compiler and machine: the cached one if only this
+    user can change it and its folder, else a fresh private build over it. UntrustedCache if others may
+    write the folder. Benchmarks pass other versions of the sources to time them side by side."""
+    sources = SOURCES if sources is None else sources
     folder = private_files.private_dir(cache_dir())
     why = private_files.distrust_dir(folder)
     if why is not None:
         raise UntrustedCache(f"kernel cache {why}")
-    target = folder / f"cpu_decode-{_key(cc)}.so"
+    target = folder / f"cpu_decode-{_key(cc, sources)}.so"
     if os.path.lexists(target):
         why = private_files.distrust(target)
         if why is None:
@@ -82,7 +85,7 @@ def build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)  # mode 0600: read is all dlopen needs
     os.close(fd)
     try:
-        _compile(cc, tmp)
+        _compile(cc, sources, tmp)
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(tmp):

@@ -57,7 +57,10 @@ static inline v8f exp8(v8f x) {
 
 static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
-/* A row of head_dim values as float32: the pool's own memory when it is float32, else widened into
+/* Pool storage (`dtype`): 0 float32, 1 bfloat16, 2 float16; and, with one float32 scale per row (per
+ * token per KV head), 3 int8, 4 float8 e4m3fn (`load_codes`).
+ *
+ * A row of head_dim values as float32: the pool's own memory when it is float32, else widened into
  * `tmp` (eight at a time: bf16 by a shift into the high half, fp16 by the F16C conversion). */
 static inline const float *load_row(const void *pool, int dtype, int64_t row, int d, float *tmp) {
     if (dtype == 0) return (const float *)pool + row * d;
@@ -84,8 +87,52 @@ static inline const float *load_row(const void *pool, int dtype, int64_t row, in
     return tmp;
 }
 
+/* A row's codes as float32 (`load_row` for a float pool), each widened exactly: the caller applies the
+ * row's scale once to what it computes from the row (a score, a softmax weight) instead of to each of
+ * its d values. int8 (dtype 3) by sign extension; float8 e4m3fn (dtype 4) by its bits: the exponent
+ * and mantissa shifted into a float's (e4m3's bias 7 against float's 127: times 2^120, which also gives
+ * its subnormals exactly), the sign to the top, and 0x7F / 0xFF NaN as torch has them. */
+static inline const float *load_codes(const void *pool, int dtype, int64_t row, int d, float *tmp) {
+    if (dtype < 3) return load_row(pool, dtype, row, d, tmp);
+    const uint8_t *p = (const uint8_t *)pool + row * d;
+#if defined(__AVX2__)
+    for (int j = 0; j < d; j += 8) {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)(p + j));
+        __m256 x;
+        if (dtype == 3) {
+            x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        } else {
+            const __m256i u = _mm256_cvtepu8_epi32(b);
+            const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7F));
+            const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(mag, 20),
+                                                 _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24));
+            x = _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+            const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F)));
+            x = _mm256_blendv_ps(x, _mm256_set1_ps(NAN), nan);
+        }
+        _mm256_storeu_ps(tmp + j, x);
+    }
+#else
+    for (int j = 0; j < d; j++) {
+        float x;
+        if (dtype == 3) {
+            x = (float)(int8_t)p[j];
+        } else {
+            const uint32_t mag = p[j] & 0x7F, bits = (mag << 20) | ((uint32_t)(p[j] & 0x80) << 24);
+            memcpy(&x, &bits, 4);
+            x = mag == 0x7F ? NAN : x * 0x1p120f;
+        }
+        tmp[j] = x;
+    }
+#endif
+    return tmp;
+}
+
+/* Bytes of one stored value: float32, 16-bit floats, or an 8-bit code. */
+static inline int elem_bytes(int dtype) { return dtype == 0 ? 4 : dtype <= 2 ? 2 : 1; }
+
 static inline const char *row_addr(const void *pool, int dtype, int64_t row, int d) {
-    return (const char *)pool + row * d * (dtype == 0 ? 4 : 2);
+    return (const char *)pool + row * d * elem_bytes(dtype);
 }
 
 /* The same token's rows in the next block, one block ahead of the reads: the hardware prefetcher
@@ -106,7 +153,7 @@ typedef void (*RunFn)(const void *args, int b, int i0, int i1, float *part);
 /* One softmax over a run of n scores per query head: row hq of s (RUN_TOKENS floats each) becomes
  * exp(s - max); part[hq] = (max, sum, d zeros). With stats, each block's sum against the run's max, at
  * stats[((b * heads + hq) * max_blocks + i) * 2] for the run's blocks i0 .. i1 - 1 (len: the sequence's). */
-static void run_softmax(float *s, int n, int heads, int d, float *part, float *stats, int b, int i0, int i1,
+static inline void run_softmax(float *s, int n, int heads, int d, float *part, float *stats, int b, int i0, int i1,
                         int len, int bs, int max_blocks) {
     const int n8 = (n + 7) & ~7;
     for (int hq = 0; hq < heads; hq++) {
@@ -136,14 +183,14 @@ static void run_softmax(float *s, int n, int heads, int d, float *part, float *s
     }
 }
 
-static int64_t blocks_in(const int32_t *seq_lens, int num_seqs, int bs) {
+static inline int64_t blocks_in(const int32_t *seq_lens, int num_seqs, int bs) {
     int64_t total = 0;
     for (int b = 0; b < num_seqs; b++) total += (seq_lens[b] + bs - 1) / bs;
     return total;
 }
 
 /* Every item's run over the OpenMP threads (in the caller's thread when not `parallel`). */
-static void run_items(RunFn run, const void *args, const int32_t *seq_lens, int num_seqs, int bs, int chunk,
+static inline void run_items(RunFn run, const void *args, const int32_t *seq_lens, int num_seqs, int bs, int chunk,
                       int runs_max, int64_t item_floats, float *partial, int parallel) {
 #pragma omp parallel for schedule(dynamic, 1) if (parallel)
     for (int it = 0; it < num_seqs * runs_max; it++) {
@@ -158,7 +205,7 @@ static void run_items(RunFn run, const void *args, const int32_t *seq_lens, int 
 /* Sequence b's runs merged per query head into out (B, heads, d), normalised; with block_mass, each block's
  * probability (from `stats`: per (b, head, block) its sum of exponentials and the max it is taken against)
  * added, summed over the heads. */
-static void merge_runs(int b, const int32_t *seq_lens, int heads, int d, int bs, int chunk, int runs_max,
+static inline void merge_runs(int b, const int32_t *seq_lens, int heads, int d, int bs, int chunk, int runs_max,
                        int max_blocks, const float *partial, const float *stats, float *out, float *block_mass,
                        int64_t mass_stride) {
     const int blocks = (seq_lens[b] + bs - 1) / bs, runs = (blocks + chunk - 1) / chunk;

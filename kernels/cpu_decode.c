@@ -8,7 +8,10 @@
  * layouts and the same position-free rotation (see reference.py's header):
  *
  *   key_cache, value_cache  (num_blocks, block_size, num_kv_heads, head_dim),
- *                           float32, bfloat16 or float16 (`dtype` 0, 1, 2)
+ *                           float32, bfloat16 or float16 (`dtype` 0, 1, 2), or int8 / float8
+ *                           e4m3fn (3, 4) with their scales (`paged_decode_quantized`):
+ *   k_scale, v_scale        (num_blocks, block_size, num_kv_heads) float32, one per stored row
+ *                           (token, KV head), which reads as codes.float() * scale (quant.py)
  *   q, out                  (B, H, head_dim) float32, unrotated query in, attention out
  *   block_tables            (B, table_stride) int32; seq_lens (B,) int32
  *   cos, sin                (max_pos, head_dim) float32, rotate-half layout
@@ -23,6 +26,11 @@
  * values (`run_blocks`). A merge then combines a sequence's runs. The runs
  * depend only on the sequence's own length, so a sequence's result is the
  * same in any batch.
+ *
+ * A quantized row's codes are widened into float32 as they are read
+ * (`load_codes`) and its scale applied once: to the key's score, and to the
+ * value's softmax weight. The same passes, prefetches (the next block's
+ * scales too) and mass as a float pool's; int8 reads a quarter of the bytes.
  *
  * `partial` holds B * ceil(max_blocks / chunk) items of
  * H * (head_dim + 2) floats; `stats` (only with block_mass) B * num_kv_heads
@@ -39,6 +47,7 @@ typedef struct {
     const float *q;
     const void *kc, *vc;
     int dtype;
+    const float *ks, *vs;  /* the rows' scales (quantized pools), else NULL */
     const int32_t *tables;
     int64_t table_stride;
     const int32_t *seq_lens;
@@ -61,7 +70,7 @@ typedef struct {
 static void run_blocks(const Args *a, int b, int i0, int i1, float *part) {
     const int g_n = a->heads / a->kv_heads, d = a->d, half = a->d / 2, bs = a->bs, kvh = a->kv_heads;
     const int heads = a->heads, len = a->seq_lens[b], qpos = len - 1;
-    const int64_t row_stride = d + 2, span = (int64_t)kvh * d * (a->dtype == 0 ? 4 : 2);  /* a token's rows */
+    const int64_t row_stride = d + 2, span = (int64_t)kvh * d * elem_bytes(a->dtype);  /* a token's rows */
     float qr[MAX_HD], s[MAX_H * RUN_TOKENS], tmp[MAX_D];
     const int32_t *table = a->tables + (int64_t)b * a->table_stride;
     /* keys: s[hq][n] = scale * (R(p - start) q_hq) . k_n */
@@ -80,10 +89,13 @@ static void run_blocks(const Args *a, int b, int i0, int i1, float *part) {
         }
         const int64_t base = (int64_t)table[i] * bs * kvh;
         const char *ahead = i + 1 < i1 ? row_addr(a->kc, a->dtype, (int64_t)table[i + 1] * bs * kvh, d) : NULL;
+        if (ahead && a->ks) prefetch_span((const char *)(a->ks + (int64_t)table[i + 1] * bs * kvh), bs * kvh * 4);
         for (int t = 0; t < valid; t++) {
             if (ahead) prefetch_span(ahead + (int64_t)t * span, span);
             for (int h = 0; h < kvh; h++) {
-                const float *k = load_row(a->kc, a->dtype, base + t * kvh + h, d, tmp);
+                const int64_t row = base + t * kvh + h;
+                const float *k = load_codes(a->kc, a->dtype, row, d, tmp);
+                const float sc = a->ks ? a->scale * a->ks[row] : a->scale;
                 int g = 0;
                 for (; g + 2 <= g_n; g += 2) {
                     const float *q0 = qr + (h * g_n + g) * d, *q1 = q0 + d;
@@ -93,14 +105,14 @@ static void run_blocks(const Args *a, int b, int i0, int i1, float *part) {
                         a0 += ld8(q0 + j) * kj;
                         a1 += ld8(q1 + j) * kj;
                     }
-                    s[(h * g_n + g) * RUN_TOKENS + n + t] = hsum8(a0) * a->scale;
-                    s[(h * g_n + g + 1) * RUN_TOKENS + n + t] = hsum8(a1) * a->scale;
+                    s[(h * g_n + g) * RUN_TOKENS + n + t] = hsum8(a0) * sc;
+                    s[(h * g_n + g + 1) * RUN_TOKENS + n + t] = hsum8(a1) * sc;
                 }
                 if (g < g_n) {
                     const float *q0 = qr + (h * g_n + g) * d;
                     v8f a0 = {0};
                     for (int j = 0; j < d; j += 8) a0 += ld8(q0 + j) * ld8(k + j);
-                    s[(h * g_n + g) * RUN_TOKENS + n + t] = hsum8(a0) * a->scale;
+                    s[(h * g_n + g) * RUN_TOKENS + n + t] = hsum8(a0) * sc;
                 }
             }
         }
@@ -113,16 +125,19 @@ static void run_blocks(const Args *a, int b, int i0, int i1, float *part) {
         const int start = i * bs, valid = len - start < bs ? len - start : bs;
         const int64_t base = (int64_t)table[i] * bs * kvh;
         const char *ahead = i + 1 < i1 ? row_addr(a->vc, a->dtype, (int64_t)table[i + 1] * bs * kvh, d) : NULL;
+        if (ahead && a->vs) prefetch_span((const char *)(a->vs + (int64_t)table[i + 1] * bs * kvh), bs * kvh * 4);
         int t = 0;
         for (; t + 2 <= valid; t += 2) {
             if (ahead) prefetch_span(ahead + (int64_t)t * span, 2 * span);
             for (int h = 0; h < kvh; h++) {
                 float tmp1[MAX_D];
-                const float *v0 = load_row(a->vc, a->dtype, base + t * kvh + h, d, tmp);
-                const float *v1 = load_row(a->vc, a->dtype, base + (t + 1) * kvh + h, d, tmp1);
+                const int64_t r0 = base + t * kvh + h, r1 = r0 + kvh;
+                const float *v0 = load_codes(a->vc, a->dtype, r0, d, tmp);
+                const float *v1 = load_codes(a->vc, a->dtype, r1, d, tmp1);
+                const float s0 = a->vs ? a->vs[r0] : 1.0f, s1 = a->vs ? a->vs[r1] : 1.0f;
                 for (int g = 0; g < g_n; g++) {
                     const int hq = h * g_n + g;
-                    const float w0 = s[hq * RUN_TOKENS + n + t], w1 = s[hq * RUN_TOKENS + n + t + 1];
+                    const float w0 = s[hq * RUN_TOKENS + n + t] * s0, w1 = s[hq * RUN_TOKENS + n + t + 1] * s1;
                     float *o = part + hq * row_stride + 2;
                     for (int j = 0; j < d; j += 8) st8(o + j, ld8(o + j) + (w0 * ld8(v0 + j) + w1 * ld8(v1 + j)));
                 }
@@ -130,10 +145,11 @@ static void run_blocks(const Args *a, int b, int i0, int i1, float *part) {
         }
         for (; t < valid; t++) {
             for (int h = 0; h < kvh; h++) {
-                const float *v0 = load_row(a->vc, a->dtype, base + t * kvh + h, d, tmp);
+                const int64_t r0 = base + t * kvh + h;
+                const float *v0 = load_codes(a->vc, a->dtype, r0, d, tmp), s0 = a->vs ? a->vs[r0] : 1.0f;
                 for (int g = 0; g < g_n; g++) {
                     const int hq = h * g_n + g;
-                    const float w0 = s[hq * RUN_TOKENS + n + t];
+                    const float w0 = s[hq * RUN_TOKENS + n + t] * s0;
                     float *o = part + hq * row_stride + 2;
                     for (int j = 0; j < d; j += 8) st8(o + j, ld8(o + j) + w0 * ld8(v0 + j));
                 }
@@ -147,17 +163,18 @@ static void run_item(const void *args, int b, int i0, int i1, float *part) {
     run_blocks((const Args *)args, b, i0, i1, part);
 }
 
-/* Returns 0, or -1 when a shape is past this kernel's fixed limits (the caller falls back). */
-int paged_decode(const float *q, const void *kc, const void *vc, int dtype, const int32_t *tables,
-                 int64_t table_stride, const int32_t *seq_lens, const float *cos, const float *sin,
-                 float *out, float *block_mass, int64_t mass_stride, float *partial, float *stats,
-                 int num_seqs, int heads, int kv_heads, int d, int bs, int max_blocks, int chunk,
-                 float scale) {
+/* Returns 0, or -1 when a shape is past this kernel's fixed limits, or a quantized pool comes without
+ * its scales (the caller falls back). */
+int paged_decode_quantized(const float *q, const void *kc, const void *vc, int dtype, const float *k_scale,
+                           const float *v_scale, const int32_t *tables, int64_t table_stride,
+                           const int32_t *seq_lens, const float *cos, const float *sin, float *out,
+                           float *block_mass, int64_t mass_stride, float *partial, float *stats, int num_seqs,
+                           int heads, int kv_heads, int d, int bs, int max_blocks, int chunk, float scale) {
     if (heads > MAX_H || heads * d > MAX_HD || d > MAX_D || d % 8 || chunk < 1 || chunk * bs > RUN_TOKENS ||
-        heads % kv_heads)
+        heads % kv_heads || dtype < 0 || dtype > 4 || (dtype >= 3 && (!k_scale || !v_scale)))
         return -1;
-    Args a = {q, kc, vc, dtype, tables, table_stride, seq_lens, cos, sin, heads, kv_heads, d, bs,
-              max_blocks, chunk, scale, partial, block_mass ? stats : NULL};
+    Args a = {q, kc, vc, dtype, k_scale, v_scale, tables, table_stride, seq_lens, cos, sin, heads, kv_heads, d,
+              bs, max_blocks, chunk, scale, partial, block_mass ? stats : NULL};
     const int runs_max = (max_blocks + chunk - 1) / chunk;
     /* waking the other threads costs more than a few dozen blocks of work (OMP_WAIT_POLICY=passive) */
     const int parallel = blocks_in(seq_lens, num_seqs, bs) * kv_heads >= 96;
@@ -169,217 +186,16 @@ int paged_decode(const float *q, const void *kc, const void *vc, int dtype, cons
     return 0;
 }
 
-/* ---- skinny products: out (M, N) = x (M, K) @ w (N, K)^T for the few rows of a decode step ----
- *
- * A decode step multiplies one row per sequence by every weight matrix: the weights are read once
- * per step and the arithmetic is small, so the product should run at memory speed. MKL's sgemm
- * reached 7.5 GB/s on the bundled model's output head at one row and 2.8 GB/s at sixteen (this
- * 2-core EPYC: `bench/step.py`), a third of what the machine streams. Here each thread takes runs
- * of four weight rows, reads them from memory once (prefetching the next run), and multiplies them
- * against the M rows of x, two at a time from cache: a 2 x 4 tile of eight-lane accumulators. */
-static inline void tile(const float *x0, const float *x1, const float *const w[4], int k, float out0[4],
-                        float out1[4]) {
-    v8f a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
-    int j = 0;
-    for (; j + 8 <= k; j += 8) {
-        const v8f w0 = ld8(w[0] + j), w1 = ld8(w[1] + j), w2 = ld8(w[2] + j), w3 = ld8(w[3] + j);
-        const v8f u = ld8(x0 + j), v = ld8(x1 + j);
-        a00 += u * w0;
-        a01 += u * w1;
-        a02 += u * w2;
-        a03 += u * w3;
-        a10 += v * w0;
-        a11 += v * w1;
-        a12 += v * w2;
-        a13 += v * w3;
-    }
-    out0[0] = hsum8(a00), out0[1] = hsum8(a01), out0[2] = hsum8(a02), out0[3] = hsum8(a03);
-    out1[0] = hsum8(a10), out1[1] = hsum8(a11), out1[2] = hsum8(a12), out1[3] = hsum8(a13);
-    for (; j < k; j++)
-        for (int r = 0; r < 4; r++) {
-            out0[r] += x0[j] * w[r][j];
-            out1[r] += x1[j] * w[r][j];
-        }
-}
-
-#define RUN_ROWS 4
-#define RUNS_PER_ITEM 8
-
-void skinny_linear(const float *x, const float *w, float *out, int m, int n, int k) {
-    const int runs = (n + RUN_ROWS - 1) / RUN_ROWS;
-    const int items = (runs + RUNS_PER_ITEM - 1) / RUNS_PER_ITEM;
-#pragma omp parallel for schedule(static)
-    for (int it = 0; it < items; it++) {
-        const int r_end = (it + 1) * RUNS_PER_ITEM < runs ? (it + 1) * RUNS_PER_ITEM : runs;
-        for (int r = it * RUNS_PER_ITEM; r < r_end; r++) {
-            const int row = r * RUN_ROWS;
-            const float *rows[4];
-            for (int i = 0; i < 4; i++) rows[i] = w + (int64_t)(row + i < n ? row + i : n - 1) * k;
-            for (int i = 0; i < m; i += 2) {
-                const int pair = i + 1 < m;
-                float o0[4], o1[4];
-                tile(x + (int64_t)i * k, x + (int64_t)(i + pair) * k, rows, k, o0, o1);
-                for (int c = 0; c < 4 && row + c < n; c++) {
-                    out[(int64_t)i * n + row + c] = o0[c];
-                    if (pair) out[(int64_t)(i + 1) * n + row + c] = o1[c];
-                }
-            }
-        }
-    }
-}
-
-/* ---- grouped-integer products: the 4-bit (and 8-bit) weights as stored, for a decode step's rows ----
- *
- * W[r, g*32 + j] = (c - offset) * scale[r, g] + zero[r, g], groups of 32 along K:
- *   bits 4: q (N, K/2) bytes, group g of row r at byte r*K/2 + g*16, low nibbles = elements 0..15,
- *           high nibbles = 16..31 (GGML's Q4 payload), offset 8;
- *   bits 8: q (N, K) int8, offset 0, zero NULL.
- * Each group's codes are widened to floats once and used for all M rows of x. */
-#define MAX_ROWS 32
-
-static inline void unpack_group(const void *q, int bits, int64_t row, int k, int g, v8f w[4]) {
-    const v8f eight = {8, 8, 8, 8, 8, 8, 8, 8};
-#if defined(__AVX2__)
-    /* GCC widens bytes to floats one lane at a time through the vector extensions: AVX2 directly */
-    if (bits == 4) {
-        const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + row * (k / 2) + g * 16));
-        const __m128i mask = _mm_set1_epi8(15);
-        const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-        w[0] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)) - eight;
-        w[1] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))) - eight;
-        w[2] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)) - eight;
-        w[3] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))) - eight;
-    } else {
-        const int8_t *p = (const int8_t *)q + row * k + g * 32;
-        for (int u = 0; u < 4; u++)
-            w[u] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * u))));
-    }
-#else
-    float f[32];
-    if (bits == 4) {
-        const uint8_t *p = (const uint8_t *)q + row * (k / 2) + g * 16;
-        for (int j = 0; j < 16; j++) {
-            f[j] = (float)(p[j] & 15);
-            f[j + 16] = (float)(p[j] >> 4);
-        }
-    } else {
-        const int8_t *p = (const int8_t *)q + row * k + g * 32;
-        for (int j = 0; j < 32; j++) f[j] = (float)p[j];
-    }
-    for (int u = 0; u < 4; u++) w[u] = ld8(f + 8 * u) - (bits == 4 ? eight : (v8f){0});
-#endif
-}
-
-/* Returns -1 when m > MAX_ROWS or k is not a multiple of 32 (the caller falls back).
- *
- * Each thread takes panels of PANEL weight rows and walks K in chunks of KCHUNK: it widens the panel's
- * chunk to floats, (c - offset) * scale + zero, into a buffer that stays in L1, then multiplies it
- * against every pair of x rows with skinny_linear's 2 x 4 tile. x is read once per panel rather than
- * once per weight row: at sixteen rows x is 36 KB (more than L1) for a 576-wide matrix, and walking it
- * per weight row made the products wait on L2. */
-#define FEW_ROWS 2 /* up to here group_linear_direct */
-#define MAX_K 65536
-/* A few rows (a single session's decode): each thread takes whole weight rows and multiplies every
- * group straight from its widened codes, with no buffer: at one row the panel's L1 buffer and the
- * tile's pairs of rows only add work. The zero term is the zero times the row's group sum. */
-static void group_linear_direct(const float *x, const void *q, int bits, const float *scale, const float *zero,
-                                float *out, const float *xsum, int m, int n, int k) {
-    const int groups = k / 32;
-#pragma omp parallel for schedule(static)
-    for (int r = 0; r < n; r++) {
-        v8f acc[FEW_ROWS];
-        float zs[FEW_ROWS];
-        for (int i = 0; i < m; i++) {
-            acc[i] = (v8f){0};
-            zs[i] = 0.0f;
-        }
-        for (int g = 0; g < groups; g++) {
-            v8f w[4];
-            unpack_group(q, bits, r, k, g, w);
-            const float sc = scale[(int64_t)r * groups + g];
-            for (int i = 0; i < m; i++) {
-                const float *xi = x + (int64_t)i * k + g * 32;
-                acc[i] += sc * (ld8(xi) * w[0] + ld8(xi + 8) * w[1] + ld8(xi + 16) * w[2] + ld8(xi + 24) * w[3]);
-            }
-            if (zero) {
-                const float z = zero[(int64_t)r * groups + g];
-                for (int i = 0; i < m; i++) zs[i] += z * xsum[i * groups + g];
-            }
-        }
-        for (int i = 0; i < m; i++) out[(int64_t)i * n + r] = hsum8(acc[i]) + zs[i];
-    }
-}
-
-#define PANEL 8
-#define KCHUNK 512
-int group_linear(const float *x, const void *q, int bits, const float *scale, const float *zero, float *out,
-                 int m, int n, int k) {
-    if (m > MAX_ROWS || k % 32 || (bits != 4 && bits != 8)) return -1;
-    const int groups = k / 32, panels = (n + PANEL - 1) / PANEL;
-    if (m <= FEW_ROWS) {
-        float xsum[FEW_ROWS * (MAX_K / 32)];
-        if (k > MAX_K) return -1;
-        if (zero)
-            for (int i = 0; i < m; i++)
-                for (int g = 0; g < groups; g++) {
-                    const float *xi = x + (int64_t)i * k + g * 32;
-                    xsum[i * groups + g] = hsum8(ld8(xi) + ld8(xi + 8) + ld8(xi + 16) + ld8(xi + 24));
-                }
-        group_linear_direct(x, q, bits, scale, zero, out, xsum, m, n, k);
-        return 0;
-    }
-#pragma omp parallel for schedule(static)
-    for (int p = 0; p < panels; p++) {
-        const int r0 = p * PANEL;
-        float wbuf[PANEL][KCHUNK], acc[MAX_ROWS][PANEL];
-        memset(acc, 0, sizeof acc);
-        for (int k0 = 0; k0 < k; k0 += KCHUNK) {
-            const int kc = k - k0 < KCHUNK ? k - k0 : KCHUNK;
-            for (int c = 0; c < PANEL; c++) {
-                const int r = r0 + c < n ? r0 + c : n - 1;  /* past n: a copy of the last row, not written */
-                for (int g = k0 / 32; g < (k0 + kc) / 32; g++) {
-                    v8f w[4];
-                    unpack_group(q, bits, r, k, g, w);
-                    const float sc = scale[(int64_t)r * groups + g], z = zero ? zero[(int64_t)r * groups + g] : 0.0f;
-                    for (int u = 0; u < 4; u++) st8(&wbuf[c][g * 32 - k0 + 8 * u], w[u] * sc + z);
-                }
-            }
-            for (int half = 0; half < PANEL; half += 4) {
-                const float *rows[4] = {wbuf[half], wbuf[half + 1], wbuf[half + 2], wbuf[half + 3]};
-                for (int i = 0; i < m; i += 2) {
-                    const int pair = i + 1 < m;
-                    float o0[4], o1[4];
-                    tile(x + (int64_t)i * k + k0, x + (int64_t)(i + pair) * k + k0, rows, kc, o0, o1);
-                    for (int c = 0; c < 4; c++) {
-                        acc[i][half + c] += o0[c];
-                        if (pair) acc[i + 1][half + c] += o1[c];
-                    }
-                }
-            }
-        }
-        for (int i = 0; i < m; i++)
-            for (int c = 0; c < PANEL && r0 + c < n; c++) out[(int64_t)i * n + r0 + c] = acc[i][c];
-    }
-    return 0;
-}
-
-/* W as float32 (N, K), exactly as torch computes (c - offset) * scale + zero: a product, then a sum,
- * each rounded (no fused multiply-add), so a prefill through it matches the dense weights bit for bit. */
-__attribute__((optimize("fp-contract=off"))) void group_dequantize(const void *q, int bits, const float *scale,
-                                                                   const float *zero, float *out, int n, int k) {
-    const int groups = k / 32;
-#pragma omp parallel for schedule(static)
-    for (int r = 0; r < n; r++)
-        for (int g = 0; g < groups; g++) {
-            v8f w[4];
-            unpack_group(q, bits, r, k, g, w);
-            const float s = scale[(int64_t)r * groups + g], z = zero ? zero[(int64_t)r * groups + g] : 0.0f;
-            for (int u = 0; u < 4; u++) {
-                v8f t = w[u] * s;
-                if (zero) t = t + z;
-                st8(out + (int64_t)r * k + g * 32 + 8 * u, t);
-            }
-        }
+/* A float pool (dtype 0, 1, 2): the entry point before quantized pools, kept for its callers. */
+int paged_decode(const float *q, const void *kc, const void *vc, int dtype, const int32_t *tables,
+                 int64_t table_stride, const int32_t *seq_lens, const float *cos, const float *sin,
+                 float *out, float *block_mass, int64_t mass_stride, float *partial, float *stats,
+                 int num_seqs, int heads, int kv_heads, int d, int bs, int max_blocks, int chunk,
+                 float scale) {
+    if (dtype > 2) return -1;
+    return paged_decode_quantized(q, kc, vc, dtype, NULL, NULL, tables, table_stride, seq_lens, cos, sin, out,
+                                  block_mass, mass_stride, partial, stats, num_seqs, heads, kv_heads, d, bs,
+                                  max_blocks, chunk, scale);
 }
 
 /* ---- the small per-token operations of a decode step, without a parallel region each ---- */
@@ -402,44 +218,80 @@ void rms_norm(const float *x, const float *w, float *out, int m, int k, float ep
     }
 }
 
-/* Scatter t tokens' keys and values (t, kv_heads, d) float32 into their slots of a float pool
- * (dtype 0/1/2 as paged_decode's), each key rotated by its offset in its block (slot % bs) as
- * reference.write_kv does: x * cos, then each half takes its partner times sin. */
-__attribute__((optimize("fp-contract=off"))) void write_kv(const float *key, const float *value, void *kc,
-                                                           void *vc, int dtype, const int64_t *slots,
-                                                           const float *cos, const float *sin, int t, int kv_heads,
-                                                           int d, int bs) {
+/* A key rotated by its block offset's rope row (c, s): x * cos, then each half takes its partner times
+ * sin, each product rounded (no fused multiply-add), as reference.rotate computes it. */
+__attribute__((optimize("fp-contract=off"))) static inline void rotate_key(const float *k, const float *c,
+                                                                          const float *s, int d, float *rot) {
     const int half = d / 2;
+    for (int j = 0; j < half; j++) {
+        rot[j] = k[j] * c[j] - k[j + half] * s[j];
+        rot[j + half] = k[j + half] * c[j + half] + k[j] * s[j];
+    }
+}
+
+/* One row into int8 codes and its scale, exactly as quant.quantize computes them: scale = max|x| / 127
+ * (1 for a row of zeros), codes x / scale rounded half away from zero, clamped to +-127. */
+static inline void quantize_row_int8(const float *x, int d, int8_t *q, float *scale) {
+    float amax = 0.0f;
+    for (int j = 0; j < d; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    const float sc = amax > 0.0f ? amax / 127.0f : 1.0f;
+    for (int j = 0; j < d; j++) {
+        const float y = x[j] / sc, r = y >= 0.0f ? floorf(y + 0.5f) : ceilf(y - 0.5f);
+        q[j] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+    *scale = sc;
+}
+
+/* A pool row (`row`: slot * kv_heads + head) of d values stored as the pool's dtype (0/1/2, or 3: int8
+ * with its scale at ks[row]). */
+static inline void store_row(void *pool, int dtype, float *ks, int64_t row, const float *x, int d) {
+    const int64_t at = row * d;
+    if (dtype == 0) {
+        memcpy((float *)pool + at, x, sizeof(float) * d);
+    } else if (dtype == 1) {  /* round to nearest even, as torch's float -> bfloat16 */
+        uint16_t *p = (uint16_t *)pool + at;
+        for (int j = 0; j < d; j++) {
+            uint32_t u;
+            memcpy(&u, x + j, 4);
+            p[j] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+        }
+    } else if (dtype == 2) {
+        _Float16 *p = (_Float16 *)pool + at;
+        for (int j = 0; j < d; j++) p[j] = (_Float16)x[j];
+    } else {
+        quantize_row_int8(x, d, (int8_t *)pool + at, ks + row);
+    }
+}
+
+/* Scatter t tokens' keys and values (t, kv_heads, d) float32 into their slots, each key rotated by its
+ * offset in its block (slot % bs) as reference.write_kv does. */
+static void write_rows(const float *key, const float *value, void *kc, void *vc, int dtype, float *ks, float *vs,
+                       const int64_t *slots, const float *cos, const float *sin, int t, int kv_heads, int d,
+                       int bs) {
     float rot[MAX_D];
     for (int i = 0; i < t; i++) {
         const int64_t slot = slots[i];
         const float *c = cos + (slot % bs) * d, *s = sin + (slot % bs) * d;
         for (int h = 0; h < kv_heads; h++) {
-            const float *k = key + ((int64_t)i * kv_heads + h) * d, *v = value + ((int64_t)i * kv_heads + h) * d;
-            for (int j = 0; j < half; j++) {
-                rot[j] = k[j] * c[j] - k[j + half] * s[j];
-                rot[j + half] = k[j + half] * c[j + half] + k[j] * s[j];
-            }
-            const int64_t at = (slot * kv_heads + h) * d;
-            if (dtype == 0) {
-                memcpy((float *)kc + at, rot, sizeof(float) * d);
-                memcpy((float *)vc + at, v, sizeof(float) * d);
-            } else if (dtype == 1) {  /* round to nearest even, as torch's float -> bfloat16 */
-                uint16_t *kb = (uint16_t *)kc + at, *vb = (uint16_t *)vc + at;
-                for (int j = 0; j < d; j++) {
-                    uint32_t u, w;
-                    memcpy(&u, rot + j, 4);
-                    memcpy(&w, v + j, 4);
-                    kb[j] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-                    vb[j] = (uint16_t)((w + 0x7FFF + ((w >> 16) & 1)) >> 16);
-                }
-            } else {
-                _Float16 *kh = (_Float16 *)kc + at, *vh = (_Float16 *)vc + at;
-                for (int j = 0; j < d; j++) {
-                    kh[j] = (_Float16)rot[j];
-                    vh[j] = (_Float16)v[j];
-                }
-            }
+            const int64_t row = slot * kv_heads + h, in = ((int64_t)i * kv_heads + h) * d;
+            rotate_key(key + in, c, s, d, rot);
+            store_row(kc, dtype, ks, row, rot, d);
+            store_row(vc, dtype, vs, row, value + in, d);
         }
     }
+}
+
+/* Into a float pool (dtype 0/1/2 as paged_decode's). */
+void write_kv(const float *key, const float *value, void *kc, void *vc, int dtype, const int64_t *slots,
+              const float *cos, const float *sin, int t, int kv_heads, int d, int bs) {
+    if (dtype < 0 || dtype > 2) return;
+    write_rows(key, value, kc, vc, dtype, NULL, NULL, slots, cos, sin, t, kv_heads, d, bs);
+}
+
+/* Into an int8 pool with one float32 scale per row (k_scale, v_scale: (num_blocks, bs, kv_heads)),
+ * each row quantized as reference.write_kv quantizes it, bit for bit. The torch reference took about
+ * ten times as long for 16 tokens (a dozen small ops per layer). */
+void write_kv_int8(const float *key, const float *value, int8_t *kc, int8_t *vc, float *k_scale, float *v_scale,
+                   const int64_t *slots, const float *cos, const float *sin, int t, int kv_heads, int d, int bs) {
+    write_rows(key, value, kc, vc, 3, k_scale, v_scale, slots, cos, sin, t, kv_heads, d, bs);
 }

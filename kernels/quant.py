@@ -48,6 +48,9 @@ import torch
 INT4_GROUP = 32
 Q_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}
+# Stored in the model's own dtype: "float" by name, and "auto" where no caller resolved it (a runner built
+# straight from a config, as tests and tools build them; the daemon resolves it, streamchat.autotune).
+UNQUANTIZED = ("float", "auto")
 
 
 def scale_shape(kv_dtype: str, head_dim: int) -> tuple[int, ...]:
@@ -104,7 +107,7 @@ def bytes_per_token(kv_dtype: str, model_dtype: torch.dtype, num_layers: int, nu
                     head_dim: int, block_size: int = 16) -> int:
     """Pool bytes one token takes across all layers, K and V, scales included (int4 keys'
     per-block scales spread over the block's tokens, rounded up to a whole byte)."""
-    if kv_dtype == "auto":
+    if kv_dtype in UNQUANTIZED:
         per_head = 2 * head_dim * torch.tensor([], dtype=model_dtype).element_size()
     elif kv_dtype == "int4":
         per_head = 2 * (head_dim // 2) + 4 * (head_dim // INT4_GROUP) + -(-4 * head_dim // block_size)

@@ -27,6 +27,12 @@ HELP = {
     "weights": "weight format: bf16 (dense in --dtype; on CPU in float32 a GGUF's own blocks serve decode rows), "
                "int8 (per channel), int4 (groups of 32; a Q4_1 GGUF's own blocks), auto (the fastest within 1%% perplexity of dense, measured once and cached); "
                "int8/int4 run on CPU only",
+    "kv_dtype": "KV pool storage: float (the model's dtype), int8 or fp8 (a float32 scale per token per KV head), "
+                "int4, or auto (the fewest bytes whose perplexity is within 0.5%% of float's and whose step is "
+                "within 5%%, measured once per model and cached; /healthz says what it chose and why)",
+    "decode_activations": "what a decode step's rows multiply grouped weights (a GGUF's blocks, int8, int4) with "
+                          "on CPU: float32, or int8 (rounded to 8 bits per group of 32, integer products: faster, "
+                          "not exact)",
     "attention_backend": "auto (triton on CUDA; cpu, the C decode kernel, elsewhere; torch without a C compiler), "
                          "cpu, torch (the pure-torch reference) or triton",
     "cuda_graphs": "replay decode steps as one CUDA graph per batch-size bucket (CUDA with Triton attention "

@@ -240,15 +240,17 @@ class EngineCore:
 
 def build_engine(config):
     """The model, its pool and the engine the daemon runs, from the config."""
-    from streamchat.autotune import measure_weights
+    from streamchat.autotune import measure_weights, resolve_kv_dtype
     from streamchat.engine.engine import Engine
     from streamchat.model.runner import ModelRunner, load_model
     from streamchat.tiers.disk import default_data_dir
 
     loaded = load_model(config.model, measure=measure_weights)
-    runner = ModelRunner(loaded, config.cache, config.scheduler.max_running, config.model.cuda_graphs)
+    cache, kv_reason = resolve_kv_dtype(loaded, config.cache, config.model.cache_dir)
+    log.info("kv dtype %s: %s", cache.kv_dtype, kv_reason)
+    runner = ModelRunner(loaded, cache, config.scheduler.max_running, config.model.cuda_graphs, kv_reason)
     data_dir = config.tiers.data_dir or default_data_dir(config.store.url)
-    return Engine(runner, config.cache, config.scheduler, tiers=config.tiers, data_dir=data_dir, sync_io=False)
+    return Engine(runner, cache, config.scheduler, tiers=config.tiers, data_dir=data_dir, sync_io=False)
 
 
 def core_info(engine, config) -> wire.CoreInfo:
@@ -263,5 +265,5 @@ def core_info(engine, config) -> wire.CoreInfo:
         model_folder=str(loaded.source.folder), tokenizer_json=export_tokenizer(loaded.tokenizer),
         frames=engine.chat.frames, device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
         weights=loaded.weights, attention=model.backend.name, kv_dtype=engine.runner.kv_dtype,
-        kv_dtype_reason=getattr(engine.runner, "kv_dtype_reason", "as configured"), data_dir=data_dir,
+        kv_dtype_reason=engine.runner.kv_dtype_reason, data_dir=data_dir,
         snapshot=take_snapshot(engine))

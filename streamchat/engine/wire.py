@@ -58,7 +58,7 @@ class CoreInfo:
     weights: str
     attention: str
     kv_dtype: str  # as served (auto resolved)
-    kv_dtype_reason: str  # why auto chose it
+    kv_dtype_reason: str  # why: as configured, or what auto measured
     data_dir: str | None
     snapshot: api.EngineSnapshot
 

@@ -175,7 +175,7 @@ def prefill_mass(plan: StepPlan) -> torch.Tensor | None:
 
 class CpuDecode:
     """A decode plan of the C kernel: the group's tables and lengths as int32, the rope tables, and
-    the reference's plan, built only if a layer's pool is one the kernel does not read (quantized)."""
+    the reference's plan, built only if a layer's pool is one the kernel does not read (int4)."""
 
     def __init__(self, group: DecodeGroup, cos: torch.Tensor, sin: torch.Tensor, reference_plan) -> None:
         self.tables = group.block_tables.to(torch.int32).contiguous()
@@ -191,8 +191,10 @@ class CpuDecode:
 class CpuBackend(TorchBackend):
     """The torch backend with decode attention and the KV write by the C kernels (kernels/cpu_decode.c,
     MLA decode kernels/cpu_mla.c):
-    decode reads the pool's blocks in place instead of gathering them. Prefill attention and quantized
-    pools are the reference's. The kernels are held to the reference by the tests."""
+    decode reads the pool's blocks in place instead of gathering them, float pools and int8/fp8 ones (with
+    a scale per token per KV head) alike; the write too, into float and int8 pools. Prefill attention,
+    int4 pools and the write into fp8 and int4 pools are the reference's. The kernels are held to the
+    reference by the tests."""
 
     name = "cpu"
 
@@ -210,8 +212,8 @@ class CpuBackend(TorchBackend):
 
     def write(self, kv: LayerKV, key: torch.Tensor, value: torch.Tensor, plan: StepPlan) -> None:
         rows, cos, sin = plan.write
-        if cpu.supports(kv.key, kv.k_scale, key.shape[-1]):
-            cpu.write_kv(kv.key, kv.value, key, value, plan.meta.slot_mapping, cos, sin)
+        if cpu.writes(kv.key, kv.k_scale, key.shape[-1]):
+            cpu.write_kv(kv.key, kv.value, key, value, plan.meta.slot_mapping, cos, sin, kv.k_scale, kv.v_scale)
         else:
             reference.store_kv(kv.key, kv.value, key, value, plan.meta.slot_mapping, *rows, kv.k_scale, kv.v_scale)
 
@@ -231,7 +233,7 @@ class CpuBackend(TorchBackend):
         partial = self.workspace.take("cpu.partial", (n_partial,), torch.float32, q.device)
         stats = None if mass is None else self.workspace.take("cpu.stats", (n_stats,), torch.float32, q.device)
         return cpu.paged_decode(q, kv.key, kv.value, d.tables, d.seq_lens, d.cos, d.sin, scale, mass,
-                                partial, stats)
+                                partial, stats, kv.k_scale, kv.v_scale)
 
     def decode_latent(self, q: torch.Tensor, kv: LatentKV, plan: StepPlan, scale: float) -> torch.Tensor:
         """MLA decode by the C kernel (cpu_mla.c: 1.7 to 2.3 times the reference's speed at 1 and 16

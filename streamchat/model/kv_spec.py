@@ -91,7 +91,7 @@ class FullAttentionSpec(KVSpec):
 
     def tensors(self) -> tuple[TensorSpec, ...]:
         lead = (self.block_size, self.num_kv_heads)
-        if self.kv_dtype == "auto":
+        if self.kv_dtype in quant.UNQUANTIZED:
             return (TensorSpec("key", self.dtype, (*lead, self.head_dim)),
                     TensorSpec("value", self.dtype, (*lead, self.head_dim)))
         storage = quant.STORAGE[self.kv_dtype]
@@ -128,7 +128,7 @@ class MLAAttentionSpec(KVSpec):
         return self.latent_dim + self.rope_dim
 
     def tensors(self) -> tuple[TensorSpec, ...]:
-        if self.kv_dtype == "auto":
+        if self.kv_dtype in quant.UNQUANTIZED:
             return (TensorSpec("latent", self.dtype, (self.block_size, self.width)),)
         storage = quant.STORAGE[self.kv_dtype]
         width = quant.storage_head_dim(self.kv_dtype, self.width)

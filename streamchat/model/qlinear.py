@@ -51,13 +51,13 @@ class DenseLinear:
     weight), a quarter to an eighth of the bytes; otherwise `skinny_linear` streams W itself."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 groups: "cpu.Groups | None" = None) -> None:
-        self.weight, self.bias, self.groups = weight, bias, groups
+                 groups: "cpu.Groups | None" = None, x8: bool = False) -> None:
+        self.weight, self.bias, self.groups, self.x8 = weight, bias, groups, x8
         self.skinny = weight.device.type == "cpu" and weight.dtype == torch.float32 and bias is None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.skinny and x.dim() == 2 and x.shape[0] <= cpu.SKINNY_MAX_ROWS:
-            y = self.groups.matmul(x) if self.groups is not None else cpu.skinny_linear(x, self.weight)
+            y = self.groups.matmul(x, self.x8) if self.groups is not None else cpu.skinny_linear(x, self.weight)
             if y is not None:
                 return y
         return F.linear(x, self.weight, self.bias)
@@ -71,11 +71,11 @@ class GroupLinear:
     """W as the GGUF stores it in groups (`cpu.Groups`), on CPU: the int4 format's head when the
     file's Q8_0 blocks decode to exactly the dense weight."""
 
-    def __init__(self, groups: "cpu.Groups", bias: torch.Tensor | None = None) -> None:
-        self.groups, self.bias = groups, bias
+    def __init__(self, groups: "cpu.Groups", bias: torch.Tensor | None = None, x8: bool = False) -> None:
+        self.groups, self.bias, self.x8 = groups, bias, x8
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _finish(_grouped(self.groups, x), x, self.groups.n, self.bias)
+        return _finish(_grouped(self.groups, x, self.x8), x, self.groups.n, self.bias)
 
     @property
     def nbytes(self) -> int:
@@ -104,11 +104,12 @@ def q4_groups(raw: torch.Tensor, qtype: str) -> "cpu.Groups":
     return cpu.Groups(blocks[..., payload:].reshape(n, -1), 4, d, zero)
 
 
-def _grouped(groups: "cpu.Groups", x: torch.Tensor) -> torch.Tensor:
+def _grouped(groups: "cpu.Groups", x: torch.Tensor, x8: bool) -> torch.Tensor:
     """x (..., K) @ W.T in float32 (M, N) by the C kernels: a decode step's few rows multiply the
-    grouped codes directly; a longer chunk widens W once into a reused buffer and runs sgemm."""
+    grouped codes directly (x8: with x rounded to 8 bits); a longer chunk widens W once into a
+    reused buffer and runs sgemm."""
     xf = x.reshape(-1, x.shape[-1]).float()
-    y = groups.matmul(xf)
+    y = groups.matmul(xf, x8)
     if y is None:
         y = F.linear(xf, groups.dequantize(cpu.dense_scratch(groups.n * groups.k)))
     return y
@@ -124,10 +125,10 @@ class Int8Linear:
     """Symmetric int8 per output channel: W[n] = q[n] * scale[n], q in -127..127."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+                 compute_dtype: torch.dtype = COMPUTE_DTYPE, x8: bool = False) -> None:
         assert q.dtype == torch.int8 and q.dim() == 2 and scale.shape == (q.shape[0],)
         self.q, self.scale = q.contiguous(), scale.to(compute_dtype)
-        self.bias, self.compute_dtype = bias, compute_dtype
+        self.bias, self.compute_dtype, self.x8 = bias, compute_dtype, x8
         self.groups = None  # on CPU with the C kernels: as Int4Linear's, in float32 with float32 scales
         if q.device.type == "cpu" and q.shape[1] % GROUP == 0 and cpu.library() is not None:
             per_group = scale.float()[:, None].expand(-1, q.shape[1] // GROUP)
@@ -135,15 +136,15 @@ class Int8Linear:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 compute_dtype: torch.dtype = COMPUTE_DTYPE) -> "Int8Linear":
+                 compute_dtype: torch.dtype = COMPUTE_DTYPE, x8: bool = False) -> "Int8Linear":
         w = weight.float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (N,)
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q, scale, bias, compute_dtype)
+        return cls(q, scale, bias, compute_dtype, x8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.groups is not None:
-            return _finish(_grouped(self.groups, x), x, self.q.shape[0], self.bias)
+            return _finish(_grouped(self.groups, x, self.x8), x, self.q.shape[0], self.bias)
         x2 = x.reshape(-1, x.shape[-1]).to(self.compute_dtype).contiguous()  # (M, K)
         y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)  # (M, N)
         return _finish(y, x, self.q.shape[0], self.bias)
@@ -221,11 +222,11 @@ class Int4Linear:
     """
 
     def __init__(self, c: Int4Codes, bias: torch.Tensor | None = None,
-                 compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+                 compute_dtype: torch.dtype = COMPUTE_DTYPE, x8: bool = False) -> None:
         n, k = c.codes.shape
         if k % GROUP:
             raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {k}")
-        self.out_features, self.bias, self.compute_dtype = n, bias, compute_dtype
+        self.out_features, self.bias, self.compute_dtype, self.x8 = n, bias, compute_dtype, x8
         self.groups = None
         if c.codes.device.type == "cpu" and cpu.library() is not None:
             self.groups = cpu.Groups.from_codes(c.codes, c.scale, c.zero)
@@ -239,12 +240,12 @@ class Int4Linear:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 compute_dtype: torch.dtype = COMPUTE_DTYPE) -> "Int4Linear":
-        return cls(minmax_codes(weight), bias, compute_dtype)
+                 compute_dtype: torch.dtype = COMPUTE_DTYPE, x8: bool = False) -> "Int4Linear":
+        return cls(minmax_codes(weight), bias, compute_dtype, x8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.groups is not None:
-            return _finish(_grouped(self.groups, x), x, self.out_features, self.bias)
+            return _finish(_grouped(self.groups, x, self.x8), x, self.out_features, self.bias)
         x2 = x.reshape(-1, x.shape[-1]).to(self.compute_dtype).contiguous()  # (M, K)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scale_zero)  # (M, N + pad)
         return _finish(y, x, self.out_features, self.bias)

@@ -86,8 +86,9 @@ def load_model(cfg: ModelConfig, measure=None) -> LoadedModel:
     state, raw = load_state(source.folder), _gguf_raw(source, hf_config, cfg.weights, device, dtype)
 
     def build(weights: str) -> LoadedModel:
-        model = model_class(hf_config, state, dtype, device, backend, LinearBuilder(weights, raw))
-        return LoadedModel(served_source(source, weights), hf_config, tokenizer, model, weights)
+        make = LinearBuilder(weights, raw, activations=cfg.decode_activations)
+        model = model_class(hf_config, state, dtype, device, backend, make)
+        return LoadedModel(served_source(source, weights, cfg.decode_activations), hf_config, tokenizer, model, weights)
 
     weights = cfg.weights
     if weights == "auto":
@@ -154,13 +155,16 @@ class ModelRunner:
     static decode inputs (`StaticDecode`: replayed as CUDA graphs on CUDA with the Triton backend)."""
 
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, max_batch: int = 64,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, kv_dtype_reason: str | None = None) -> None:
         """max_batch: the most decode rows the static buffers (and the largest graph) hold; bigger
-        steps, and steps with prefill, take the plain path. cuda_graphs: off, or ignored off CUDA."""
+        steps, and steps with prefill, take the plain path. cuda_graphs: off, or ignored off CUDA.
+        kv_dtype_reason: why the pool stores cache.kv_dtype (streamchat.autotune.resolve_kv_dtype)."""
         self.loaded = loaded
         self.model = loaded.model
         self.block_size = cache.block_size
-        self.kv_dtype = cache.kv_dtype  # a name: auto, int8, fp8, int4
+        self.kv_dtype = cache.kv_dtype  # a name: float, int8, fp8, int4 (auto, unresolved: float's storage)
+        self.kv_dtype_reason = kv_dtype_reason or (
+            "auto, not measured by this caller: the model's dtype" if cache.kv_dtype == "auto" else "as configured")
         if cache.kv_dtype == "int4" and self.model.backend.name == "triton":
             raise ConfigError("--kv-dtype int4 runs on the torch (or cpu) attention backend only, not triton")
         try:

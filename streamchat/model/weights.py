@@ -16,6 +16,10 @@ On CPU in float32 (the C kernels built), `bf16` also keeps the GGUF's own Q4/Q8_
 dense weight they decode to exactly: a decode step's few rows multiply those (a quarter or an eighth of
 the bytes), longer chunks the dense weight, so the served values are the dense ones either way.
 
+Decode rows through the groups multiply float32 activations by default; `activations="int8"`
+(`--decode-activations int8`) rounds them to 8 bits per group of 32 and multiplies in integers as
+llama.cpp does (kernels/cpu_linear_x8.c): faster, and not exact, so the served fingerprint says so.
+
 "bf16" is the issue's name for dense: the weights stay in whatever `--dtype`
 the model runs in (float32 on a CPU without bf16 instructions). The head is
 int8, not int4, under int4: the bundled GGUF stores the tied embedding as
@@ -45,6 +49,7 @@ QUANTIZED = ("int8", "int4")
 GGUF_INT4 = {"Q4_1": q4_1_codes, "Q4_0": q4_0_codes}
 GGUF_GROUPS = (*GGUF_INT4, "Q8_0")  # the stored types the CPU kernels read as they are
 HEAD_FORMAT = {"bf16": "bf16", "int8": "int8", "int4": "int8"}
+ACTIVATIONS = ("float32", "int8")  # what decode rows multiply the grouped weights with
 
 
 def check_device(weights: str, device: torch.device) -> None:
@@ -54,13 +59,15 @@ def check_device(weights: str, device: torch.device) -> None:
                           f"on {device.type} use --weights bf16 (dense in --dtype) or auto")
 
 
-def served_fingerprint(fingerprint: str, weights: str) -> str:
-    """Names the weights as served: quantized K/V differ, so prefix blocks and KV files must too."""
-    return fingerprint if weights == "bf16" else f"{fingerprint}+{weights}"
+def served_fingerprint(fingerprint: str, weights: str, activations: str = "float32") -> str:
+    """Names the weights as served: quantized K/V differ, so prefix blocks and KV files must too (and
+    so do those of 8-bit decode activations)."""
+    served = fingerprint if weights == "bf16" else f"{fingerprint}+{weights}"
+    return served if activations == "float32" else f"{served}+x{activations}"
 
 
-def served_source(source, weights: str):
-    return dataclasses.replace(source, fingerprint=served_fingerprint(source.fingerprint, weights))
+def served_source(source, weights: str, activations: str = "float32"):
+    return dataclasses.replace(source, fingerprint=served_fingerprint(source.fingerprint, weights, activations))
 
 
 class LinearBuilder:
@@ -69,15 +76,20 @@ class LinearBuilder:
     `raw`: the GGUF's stored tensors under their converted names (int4 uses
     4-bit blocks from it as they are); None for a Hugging Face folder.
     `head`: the head's format when not HEAD_FORMAT's (tests pin exactness with it).
+    `activations`: what decode rows multiply grouped weights with (ACTIVATIONS).
     """
 
     def __init__(self, weights: str, raw: dict[str, RawTensor] | None = None,
-                 compute_dtype: torch.dtype = COMPUTE_DTYPE, head: str | None = None) -> None:
+                 compute_dtype: torch.dtype = COMPUTE_DTYPE, head: str | None = None,
+                 activations: str = "float32") -> None:
         for fmt in (weights, head or weights):
             if fmt not in FORMATS:
                 raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"unknown decode activations {activations!r}; known: {', '.join(ACTIVATIONS)}")
         self.weights, self.raw, self.compute_dtype = weights, raw or {}, compute_dtype
         self.head_format = head or HEAD_FORMAT[weights]
+        self.x8 = activations == "int8"
 
     def layer(self, w: dict[str, torch.Tensor], names: list[str], bias: torch.Tensor | None = None) -> Linear:
         """The projection of `names` fused along out_features, as `w` (dense, model dtype) holds them."""
@@ -88,14 +100,14 @@ class LinearBuilder:
 
     def _make(self, fmt: str, w: dict[str, torch.Tensor], names: list[str], bias) -> Linear:
         if fmt == "int4":
-            return Int4Linear(cat_codes([self._codes(w, n) for n in names]), bias, self.compute_dtype)
+            return Int4Linear(cat_codes([self._codes(w, n) for n in names]), bias, self.compute_dtype, self.x8)
         weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
         if fmt == "int8":
             groups = self._groups(w, names) if self.weights == "int4" and bias is None else None
             if groups is not None and groups.bits == 8:  # int4's head: the file's own Q8_0, exactly
-                return GroupLinear(groups)
-            return Int8Linear.quantize(weight, bias, self.compute_dtype)
-        return DenseLinear(weight, bias, self._groups(w, names) if bias is None else None)
+                return GroupLinear(groups, x8=self.x8)
+            return Int8Linear.quantize(weight, bias, self.compute_dtype, self.x8)
+        return DenseLinear(weight, bias, self._groups(w, names) if bias is None else None, self.x8)
 
     def _groups(self, w: dict[str, torch.Tensor], names: list[str]) -> "cpu.Groups | None":
         """The fused projection as the GGUF stores it, for the CPU kernels: every part 4-bit, or one

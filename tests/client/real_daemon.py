@@ -20,7 +20,7 @@ import urllib.request
 from websockets.asyncio.client import connect
 
 SMALL = ["--max-output-tokens", "256", "--max-text-chars", "20000", "--max-frame-bytes", "65536",
-         "--num-threads", "2"]
+         "--num-threads", "2", "--kv-dtype", "float"]  # float: auto measures at a model's first start
 
 
 class RealDaemon:

@@ -24,7 +24,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("STREAMCHAT_KERNEL_CACHE", str(folder))
     calls = []
 
-    def fake_compile(cc, out):
+    def fake_compile(cc, sources, out):
         calls.append(out)
         with open(out, "wb") as f:
             f.write(FRESH)
@@ -96,7 +96,7 @@ def test_a_rebuilt_library_loads_and_runs(tmp_path, monkeypatch):
     """A fresh private build over a spoiled file is what library() loads, and it computes."""
     built = cpu.library()._name  # this machine's real build (in the default cache)
     monkeypatch.setenv("STREAMCHAT_KERNEL_CACHE", str(tmp_path / "kernels"))
-    monkeypatch.setattr(cpu_build, "_compile", lambda cc, out: shutil.copyfile(built, out))
+    monkeypatch.setattr(cpu_build, "_compile", lambda cc, sources, out: shutil.copyfile(built, out))
     target = cpu_build.build("cc")
     os.chmod(target, 0o666)
     monkeypatch.setattr(cpu, "_tried", False)

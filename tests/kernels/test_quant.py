@@ -110,7 +110,7 @@ def test_the_default_pool_is_an_eighth_of_memory_and_at_least_1_gib():
 
 def test_bad_kv_dtype_lists_the_choices():
     """--kv-dtype int3 is refused with the list of choices."""
-    with pytest.raises(ConfigError, match="kv_dtype must be one of auto, int8, fp8, int4; got 'int3'"):
+    with pytest.raises(ConfigError, match="kv_dtype must be one of auto, float, int8, fp8, int4; got 'int3'"):
         CacheConfig(kv_dtype="int3").validate()
 
 

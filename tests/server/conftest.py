@@ -12,8 +12,10 @@ import orjson
 import pytest
 from websockets.asyncio.client import connect
 
+# --kv-dtype float: auto (the default) measures the storages at a model's first start, longer than a
+# daemon test waits; tests/model/test_kv_auto.py tests auto.
 DAEMON_ARGS = ["--num-blocks", "400", "--window-tokens", "256", "--max-output-tokens", "256",
-               "--max-text-chars", "20000", "--max-frame-bytes", "65536", "--num-threads", "2"]
+               "--max-text-chars", "20000", "--max-frame-bytes", "65536", "--num-threads", "2", "--kv-dtype", "float"]
 
 
 def _die_with_parent() -> None:

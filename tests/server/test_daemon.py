@@ -135,11 +135,13 @@ def http_get(url, method="GET", headers=None):
 
 
 def test_healthz_metrics_404_405(daemon):
-    """/healthz is JSON, /metrics Prometheus text with our names, other paths 404, POST 405."""
+    """/healthz is JSON (the KV storage with why), /metrics Prometheus text with our names, other paths 404,
+    POST 405."""
     status, body = http_get(daemon.http + "/healthz")
     doc = orjson.loads(body)
     assert status == 200 and doc["status"] == "ok" and doc["kv_blocks"]["total"] == 399
     assert doc["model"] and "sessions" in doc
+    assert doc["kv_dtype"] == {"dtype": "float", "why": "as configured (--kv-dtype float)"}  # DAEMON_ARGS
     for _ in range(50):  # once the engine is idle, every used block is in some session's table
         kb = orjson.loads(http_get(daemon.http + "/healthz")[1])["kv_blocks"]
         if kb["held"] == kb["total"] - kb["free"]:

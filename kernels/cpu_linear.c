@@ -1,0 +1,367 @@
+/* The weight products of a decode step on CPU: the step's few rows of x times each weight matrix.
+ *
+ * A decode step multiplies one row per sequence by every weight matrix: the weights are read once per
+ * step and the arithmetic per byte is small, so a product should run at memory speed. MKL's sgemm
+ * read the bundled model's output head at a third of that (7.5 GB/s at one row, 2.8 at sixteen, this
+ * 2-core EPYC), hence these kernels, for up to MAX_ROWS rows:
+ *
+ *   skinny_linear     out (M, N) = x (M, K) @ w (N, K)^T, all float32
+ *   group_linear      the same against W in groups of 32 along K, as the GGUF stores it:
+ *                       W[r, g*32 + j] = (c - offset) * scale[r, g] + zero[r, g]
+ *                       bits 4: q (N, K/2) bytes; group g of row r at byte r*K/2 + g*16, its low
+ *                               nibbles elements 0..15, its high nibbles 16..31 (GGML's Q4
+ *                               payload); offset 8
+ *                       bits 8: q (N, K) int8; offset 0
+ *                       scale, zero (N, K/32) float32, zero NULL for none
+ *   group_linear_x8   group_linear with x quantized to 8 bits per group of 32 and integer dot
+ *                     products (llama.cpp's way); selectable, not exact (see below)
+ *   group_dequantize  W itself as float32 (N, K), exactly as torch computes it
+ *
+ * x, out and w are row-major and contiguous; K is a multiple of 32 for the grouped kernels.
+ *
+ * Widening the codes is what a grouped product costs on this machine (AMD EPYC, Zen 1: a 256-bit
+ * operation is two 128-bit ones; the int32 -> float conversion runs on one pipe at two cycles a
+ * register, and so does the byte -> int32 widening). `widen_group` spends neither: it interleaves a
+ * group's bytes with zeros and then with the exponent bits of 2^23 (two rounds of unpacks, which two
+ * pipes run), so each 32-bit lane holds the float 2^23 + byte, and one subtraction of 2^23 + offset
+ * gives c - offset exactly. The unpacks work within 128-bit lanes, so the floats come out in LANE
+ * ORDER: register u holds elements 4u..4u+3 and 16+4u..16+4u+3. x is copied into that order once per
+ * call (`to_lanes`) and every product pairs lane with lane; only group_dequantize puts the elements
+ * back in place. */
+#include "cpu_linear.h"
+
+#include <stdlib.h>
+
+/* ---- skinny products: float32 weights ----
+ *
+ * Each thread takes runs of four weight rows, reads them from memory once, and multiplies them against
+ * the M rows of x, two at a time from cache: a 2 x 4 tile of eight-lane accumulators. */
+static inline void tile(const float *x0, const float *x1, const float *const w[4], int k, float out0[4],
+                        float out1[4]) {
+    v8f a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
+    int j = 0;
+    for (; j + 8 <= k; j += 8) {
+        const v8f w0 = ld8(w[0] + j), w1 = ld8(w[1] + j), w2 = ld8(w[2] + j), w3 = ld8(w[3] + j);
+        const v8f u = ld8(x0 + j), v = ld8(x1 + j);
+        a00 += u * w0;
+        a01 += u * w1;
+        a02 += u * w2;
+        a03 += u * w3;
+        a10 += v * w0;
+        a11 += v * w1;
+        a12 += v * w2;
+        a13 += v * w3;
+    }
+    out0[0] = hsum8(a00), out0[1] = hsum8(a01), out0[2] = hsum8(a02), out0[3] = hsum8(a03);
+    out1[0] = hsum8(a10), out1[1] = hsum8(a11), out1[2] = hsum8(a12), out1[3] = hsum8(a13);
+    for (; j < k; j++)
+        for (int r = 0; r < 4; r++) {
+            out0[r] += x0[j] * w[r][j];
+            out1[r] += x1[j] * w[r][j];
+        }
+}
+
+#define RUN_ROWS 4
+#define RUNS_PER_ITEM 8
+
+void skinny_linear(const float *x, const float *w, float *out, int m, int n, int k) {
+    const int runs = (n + RUN_ROWS - 1) / RUN_ROWS;
+    const int items = (runs + RUNS_PER_ITEM - 1) / RUNS_PER_ITEM;
+#pragma omp parallel for schedule(static)
+    for (int it = 0; it < items; it++) {
+        const int r_end = (it + 1) * RUNS_PER_ITEM < runs ? (it + 1) * RUNS_PER_ITEM : runs;
+        for (int r = it * RUNS_PER_ITEM; r < r_end; r++) {
+            const int row = r * RUN_ROWS;
+            const float *rows[4];
+            for (int i = 0; i < 4; i++) rows[i] = w + (int64_t)(row + i < n ? row + i : n - 1) * k;
+            for (int i = 0; i < m; i += 2) {
+                const int pair = i + 1 < m;
+                float o0[4], o1[4];
+                tile(x + (int64_t)i * k, x + (int64_t)(i + pair) * k, rows, k, o0, o1);
+                for (int c = 0; c < 4 && row + c < n; c++) {
+                    out[(int64_t)i * n + row + c] = o0[c];
+                    if (pair) out[(int64_t)(i + 1) * n + row + c] = o1[c];
+                }
+            }
+        }
+    }
+}
+
+/* ---- grouped weights ---- */
+
+/* Group g of a row as floats c - offset, in lane order (see the header). */
+static inline void widen_group(const void *q, int bits, int64_t row, int k, int g, v8f w[4]) {
+#if defined(__AVX2__)
+    __m256i b;  /* the group's 32 codes as unsigned bytes: [0..15 | 16..31] */
+    float bias;
+    if (bits == 4) {
+        const __m128i p = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + row * (k / 2) + g * 16));
+        const __m256i both = _mm256_broadcastsi128_si256(p);  /* low nibbles in lane 0, high in lane 1 */
+        b = _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                             _mm256_set1_epi8(15));
+        bias = 8388608.0f + 8.0f;
+    } else {  /* signed: moved to 0..255 by flipping the sign bit, and back by the bias */
+        b = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)((const int8_t *)q + row * k + g * 32)),
+                             _mm256_set1_epi8((char)0x80));
+        bias = 8388608.0f + 128.0f;
+    }
+    const __m256i zero = _mm256_setzero_si256(), exponent = _mm256_set1_epi16(0x4B00);  /* 2^23's high half */
+    const __m256i h0 = _mm256_unpacklo_epi8(b, zero), h1 = _mm256_unpackhi_epi8(b, zero);
+    const __m256 sub = _mm256_set1_ps(bias);
+    w[0] = (v8f)_mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(h0, exponent)), sub);
+    w[1] = (v8f)_mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(h0, exponent)), sub);
+    w[2] = (v8f)_mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(h1, exponent)), sub);
+    w[3] = (v8f)_mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(h1, exponent)), sub);
+#else
+    float f[32];
+    if (bits == 4) {
+        const uint8_t *p = (const uint8_t *)q + row * (k / 2) + g * 16;
+        for (int j = 0; j < 16; j++) {
+            f[j] = (float)(p[j] & 15) - 8.0f;
+            f[j + 16] = (float)(p[j] >> 4) - 8.0f;
+        }
+    } else {
+        const int8_t *p = (const int8_t *)q + row * k + g * 32;
+        for (int j = 0; j < 32; j++) f[j] = (float)p[j];
+    }
+    for (int u = 0; u < 4; u++)
+        for (int j = 0; j < 4; j++) {
+            w[u][j] = f[4 * u + j];
+            w[u][4 + j] = f[16 + 4 * u + j];
+        }
+#endif
+}
+
+/* m rows of x (k floats each) into lane order, group by group. */
+static void to_lanes(const float *x, float *lanes, int m, int k) {
+    for (int64_t g = 0; g < (int64_t)m * k / 32; g++)
+        for (int u = 0; u < 4; u++) {
+            memcpy(lanes + g * 32 + 8 * u, x + g * 32 + 4 * u, 4 * sizeof(float));
+            memcpy(lanes + g * 32 + 8 * u + 4, x + g * 32 + 16 + 4 * u, 4 * sizeof(float));
+        }
+}
+
+/* The next rows' codes, scales and zeros, ahead of the reads. A row of the
+ * bundled model is 288 or 576 bytes of codes; DIRECT_ROWS rows read together are as many short
+ * streams, too short for the hardware prefetcher, which read the output head at 4 GB/s without this. */
+static inline void prefetch_rows(const Grouped *w, int64_t r, int64_t rows) {
+    const int64_t row_bytes = w->bits == 4 ? w->k / 2 : w->k, groups = w->k / 32;
+    prefetch_span((const char *)w->q + r * row_bytes, rows * row_bytes);
+    prefetch_span((const char *)(w->scale + r * groups), rows * groups * 4);
+    if (w->zero) prefetch_span((const char *)(w->zero + r * groups), rows * groups * 4);
+}
+
+/* ---- one or two rows of x (a single session's decode): straight from the codes ----
+ *
+ * At one row the panel's L1 buffer and the tile's pairs of rows below only add work. Each group is
+ * widened and multiplied where it lies, four 4-bit weight rows per pass over a group of x (x's
+ * registers serve them all; 8-bit rows are long enough to go one at a time: four of the output head's
+ * 576-byte rows read side by side ran at two thirds of the speed of one), and a row's product is
+ *
+ *   sum_j W[r, j] x_j = sum_g scale_g * ((c_g - offset) . x_g)  +  sum_g zero_g * xsum_g
+ *
+ * the second term one short dot product per row (`row_terms`), not a scalar step per group. Threads
+ * take CHUNK_ROWS rows at a time, dynamically: a worker that wakes late (OMP_WAIT_POLICY=passive) or is
+ * descheduled on a busy host leaves its share to the other instead of holding the call at the barrier. */
+#define CHUNK_ROWS 32
+
+static inline __attribute__((always_inline)) void rows_f32(const float *x, const int M, const Grouped *w,
+                                                           const int bits, const int64_t rows[DIRECT_ROWS],
+                                                           float res[DIRECT_ROWS][FEW_ROWS]) {
+    const int k = w->k, groups = k / 32, R = rows_per_pass(bits);
+    v8f acc[DIRECT_ROWS][FEW_ROWS];
+    for (int c = 0; c < R; c++)
+        for (int i = 0; i < M; i++) acc[c][i] = (v8f){0};
+    for (int g = 0; g < groups; g++) {
+        v8f xv[FEW_ROWS][4];
+        for (int i = 0; i < M; i++)
+            for (int u = 0; u < 4; u++) xv[i][u] = ld8(x + (int64_t)i * k + g * 32 + 8 * u);
+        for (int c = 0; c < R; c++) {
+            v8f wv[4];
+            widen_group(w->q, bits, rows[c], k, g, wv);
+            const float s = w->scale[rows[c] * groups + g];
+            for (int i = 0; i < M; i++)
+                acc[c][i] += s * ((wv[0] * xv[i][0] + wv[1] * xv[i][1]) + (wv[2] * xv[i][2] + wv[3] * xv[i][3]));
+        }
+    }
+    for (int c = 0; c < R; c++)
+        for (int i = 0; i < M; i++) res[c][i] = hsum8(acc[c][i]);
+}
+
+/* res[c][i] = sum_g scale_g * ((c_g - offset) . x_i,g) for weight rows r .. r + rows_per_pass - 1
+ * (clamped to n - 1) and the M rows of x (lane order). */
+static void f32_rows(const float *x, int M, const Grouped *w, int64_t r, float res[DIRECT_ROWS][FEW_ROWS]) {
+    int64_t rows[DIRECT_ROWS];
+    for (int c = 0; c < DIRECT_ROWS; c++) rows[c] = r + c < w->n ? r + c : w->n - 1;
+    if (w->bits == 4) {
+        if (M == 1) rows_f32(x, 1, w, 4, rows, res);
+        else rows_f32(x, 2, w, 4, rows, res);
+    } else {
+        if (M == 1) rows_f32(x, 1, w, 8, rows, res);
+        else rows_f32(x, 2, w, 8, rows, res);
+    }
+}
+
+/* sum_g s[g] * a[g] + z[g] * b[g] over a row's groups; a pair whose multiplier (a, or z) is NULL is 0. */
+static inline float row_terms(const float *s, const float *a, const float *z, const float *b, int groups) {
+    v8f acc = {0};
+    float tail = 0.0f;
+    int g = 0;
+    for (; g + 8 <= groups; g += 8) {
+        if (a) acc += ld8(s + g) * ld8(a + g);
+        if (z) acc += ld8(z + g) * ld8(b + g);
+    }
+    for (; g < groups; g++) tail += (a ? s[g] * a[g] : 0.0f) + (z ? z[g] * b[g] : 0.0f);
+    return hsum8(acc) + tail;
+}
+
+/* Weight rows [r0, r1) against x rows i, i + 1 (M of them; lane order, or quantized in x8) into out:
+ * each sum plus its row terms (a, b: the x rows' multipliers, NULL when they are all 0). */
+static void direct_chunk(const float *x, const X8 *x8, int i, int M, const Grouped *w, int64_t r0, int64_t r1,
+                         const float *a, const float *b, float *out) {
+    const int k = w->k, groups = k / 32;
+    X8 xi = {NULL, NULL};
+    if (x8) xi = (X8){x8->q + (int64_t)i * k, x8->dx + i * groups};
+    const int R = rows_per_pass(w->bits);
+    for (int64_t r = r0; r < r1; r += R) {
+        if (r + R < r1) prefetch_rows(w, r + R, r1 - r - R < R ? r1 - r - R : R);
+        float res[DIRECT_ROWS][FEW_ROWS];
+        if (x8)
+            x8_rows(&xi, M, w, r, res);
+        else
+            f32_rows(x + (int64_t)i * k, M, w, r, res);
+        for (int c = 0; c < R && r + c < r1; c++) {
+            const float *s = w->scale + (r + c) * groups, *z = w->zero ? w->zero + (r + c) * groups : NULL;
+            for (int j = i; j < i + M; j++)
+                out[(int64_t)j * w->n + r + c] = res[c][j - i] + (a || z ? row_terms(s, a ? a + j * groups : NULL,
+                                                                                     z, b + j * groups, groups) : 0.0f);
+        }
+    }
+}
+
+/* out = x @ W^T straight from the codes, m rows of x (float32, or quantized to 8 bits when x8): x's
+ * lanes or codes and the row terms' multipliers first, then chunks of CHUNK_ROWS weight rows over the
+ * threads, each chunk against every pair of x rows while its codes are in L1. -1: no memory. */
+static int group_direct(const float *x, const Grouped *w, float *out, int m, int x8) {
+    const int k = w->k, groups = k / 32;
+    const size_t terms = (size_t)m * groups;
+    float *buf = malloc(sizeof(float) * terms * 3 + (x8 ? (size_t)m * k : sizeof(float) * (size_t)m * k));
+    if (!buf) return -1;
+    float *a = buf, *b = a + terms, *dx = b + terms, *lanes = dx + terms;
+    int8_t *codes = (int8_t *)lanes;
+    for (int i = 0; i < m; i++) {
+        const float *xi = x + (int64_t)i * k;
+        if (x8) {
+            quantize_x8(xi, k, w->bits, codes + (int64_t)i * k, dx + i * groups, a + i * groups, b + i * groups);
+            continue;
+        }
+        for (int g = 0; g < groups; g++) {
+            const float *xg = xi + g * 32;
+            b[i * groups + g] = hsum8(ld8(xg) + ld8(xg + 8) + ld8(xg + 16) + ld8(xg + 24));
+        }
+    }
+    if (!x8) to_lanes(x, lanes, m, k);
+    const X8 q8 = {codes, dx};
+    const float *row_a = x8 && w->bits == 4 ? a : NULL;  /* the float path's offset is in its widening */
+    const int chunks = (w->n + CHUNK_ROWS - 1) / CHUNK_ROWS;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int ch = 0; ch < chunks; ch++) {
+        const int64_t r0 = (int64_t)ch * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < w->n ? r0 + CHUNK_ROWS : w->n;
+        for (int i = 0; i < m; i += FEW_ROWS)
+            direct_chunk(lanes, x8 ? &q8 : NULL, i, m - i < FEW_ROWS ? m - i : FEW_ROWS, w, r0, r1, row_a, b, out);
+    }
+    free(buf);
+    return 0;
+}
+
+/* out (m, n) = x @ W^T for m <= MAX_ROWS. Returns -1 when m > MAX_ROWS, k is not a multiple of 32,
+ * bits is not 4 or 8, or scratch memory cannot be had (the caller falls back).
+ *
+ * One or two rows go straight from the codes (`group_direct`). More: each thread takes panels of
+ * PANEL weight rows and walks K in chunks of KCHUNK: it widens the panel's chunk, (c - offset) * scale +
+ * zero, into a buffer that stays in L1, then multiplies it against every pair of x rows with
+ * skinny_linear's 2 x 4 tile. x is read once per panel rather than once per weight row: at sixteen rows
+ * x is 36 KB (more than L1) for a 576-wide matrix, and walking it per weight row made the products wait
+ * on L2. */
+#define PANEL 8
+#define KCHUNK 512
+int group_linear(const float *x, const void *q, int bits, const float *scale, const float *zero, float *out,
+                 int m, int n, int k) {
+    if (m > MAX_ROWS || k % 32 || (bits != 4 && bits != 8)) return -1;
+    const Grouped wg = {q, bits, scale, zero, n, k};
+    if (m <= FEW_ROWS) return group_direct(x, &wg, out, m, 0);
+    float *xl = malloc(sizeof(float) * (size_t)m * k);
+    if (!xl) return -1;
+    to_lanes(x, xl, m, k);
+    const int groups = k / 32, panels = (n + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        const int r0 = p * PANEL;
+        float wbuf[PANEL][KCHUNK], acc[MAX_ROWS][PANEL];
+        memset(acc, 0, sizeof acc);
+        for (int k0 = 0; k0 < k; k0 += KCHUNK) {
+            const int kc = k - k0 < KCHUNK ? k - k0 : KCHUNK;
+            for (int c = 0; c < PANEL; c++) {
+                const int r = r0 + c < n ? r0 + c : n - 1;  /* past n: a copy of the last row, not written */
+                for (int g = k0 / 32; g < (k0 + kc) / 32; g++) {
+                    v8f w[4];
+                    widen_group(q, bits, r, k, g, w);
+                    const float sc = scale[(int64_t)r * groups + g], z = zero ? zero[(int64_t)r * groups + g] : 0.0f;
+                    for (int u = 0; u < 4; u++) st8(&wbuf[c][g * 32 - k0 + 8 * u], w[u] * sc + z);
+                }
+            }
+            for (int half = 0; half < PANEL; half += 4) {
+                const float *rows[4] = {wbuf[half], wbuf[half + 1], wbuf[half + 2], wbuf[half + 3]};
+                for (int i = 0; i < m; i += 2) {
+                    const int pair = i + 1 < m;
+                    float o0[4], o1[4];
+                    tile(xl + (int64_t)i * k + k0, xl + (int64_t)(i + pair) * k + k0, rows, kc, o0, o1);
+                    for (int c = 0; c < 4; c++) {
+                        acc[i][half + c] += o0[c];
+                        if (pair) acc[i + 1][half + c] += o1[c];
+                    }
+                }
+            }
+        }
+        for (int i = 0; i < m; i++)
+            for (int c = 0; c < PANEL && r0 + c < n; c++) out[(int64_t)i * n + r0 + c] = acc[i][c];
+    }
+    free(xl);
+    return 0;
+}
+
+/* group_linear with x quantized to 8 bits per group of 32 (`quantize_x8`), for every m <= MAX_ROWS
+ * alike: a row's result does not depend on the rows beside it. -1 as group_linear's, and where the
+ * build has no AVX2. */
+int group_linear_x8(const float *x, const void *q, int bits, const float *scale, const float *zero, float *out,
+                    int m, int n, int k) {
+    if (m > MAX_ROWS || k % 32 || (bits != 4 && bits != 8)) return -1;
+#if defined(__AVX2__)
+    const Grouped wg = {q, bits, scale, zero, n, k};
+    return group_direct(x, &wg, out, m, 1);
+#else
+    (void)x, (void)q, (void)scale, (void)zero, (void)out, (void)n;
+    return -1;
+#endif
+}
+
+/* W as float32 (N, K), exactly as torch computes (c - offset) * scale + zero: a product, then a sum,
+ * each rounded (no fused multiply-add), so a prefill through it matches the dense weights bit for bit. */
+__attribute__((optimize("fp-contract=off"))) void group_dequantize(const void *q, int bits, const float *scale,
+                                                                   const float *zero, float *out, int n, int k) {
+    const int groups = k / 32;
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < n; r++)
+        for (int g = 0; g < groups; g++) {
+            v8f w[4];
+            widen_group(q, bits, r, k, g, w);
+            const float s = scale[(int64_t)r * groups + g], z = zero ? zero[(int64_t)r * groups + g] : 0.0f;
+            float *o = out + (int64_t)r * k + g * 32;
+            for (int u = 0; u < 4; u++) {
+                v8f t = w[u] * s;
+                if (zero) t = t + z;
+                memcpy(o + 4 * u, &t, 4 * sizeof(float));  /* lane order back to place */
+                memcpy(o + 16 + 4 * u, (const float *)&t + 4, 4 * sizeof(float));
+            }
+        }
+}

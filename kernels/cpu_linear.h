@@ -1,0 +1,39 @@
+/* What the grouped-weight products share (cpu_linear.c, and cpu_linear_x8.c for 8-bit activations):
+ * the matrix, the direct paths' shape, and the 8-bit path's internal calls. Included by those two. */
+#ifndef STREAMCHAT_CPU_LINEAR_H
+#define STREAMCHAT_CPU_LINEAR_H
+
+#include "cpu_common.h"
+
+#define MAX_ROWS 32    /* rows of x at most (a decode step's) */
+#define FEW_ROWS 2     /* rows of x per pass of the direct paths */
+#define DIRECT_ROWS 4  /* 4-bit weight rows per pass over a group of x; 8-bit rows go one at a time */
+
+static inline int rows_per_pass(int bits) { return bits == 4 ? DIRECT_ROWS : 1; }
+
+/* A matrix in groups, as group_linear takes it (cpu_linear.c's header): n rows of k. */
+typedef struct {
+    const void *q;
+    int bits;
+    const float *scale, *zero;
+    int n, k;
+} Grouped;
+
+/* The M <= FEW_ROWS rows of x of one pass, quantized: codes (M, k) in the order the weights' width
+ * wants (see cpu_linear_x8.c) and a scale per group (M, k / 32). */
+typedef struct {
+    const int8_t *q;
+    const float *dx;
+} X8;
+
+/* Row x into codes, scales and the row terms' multipliers a (of the scales) and b (of the zeros), per
+ * group: the product of a row is sum_g scale_g * dx_g * (c_g . xq_g) + scale_g * a_g + zero_g * b_g. */
+__attribute__((visibility("hidden"))) void quantize_x8(const float *x, int k, int bits, int8_t *q, float *dx,
+                                                       float *a, float *b);
+
+/* res[c][i] = sum_g scale_g * dx_g * (c_g . xq_i,g) for weight rows r .. r + rows_per_pass - 1 (clamped
+ * to n - 1) and the M rows of x. */
+__attribute__((visibility("hidden"))) void x8_rows(const X8 *x, int M, const Grouped *w, int64_t r,
+                                                   float res[DIRECT_ROWS][FEW_ROWS]);
+
+#endif
