@@ -147,6 +147,8 @@ def run(procs: dict, args) -> dict:
             for kind, clients in scenarios:
                 for name, (_, port) in procs.items():
                     r = await scenario(kind, port, clients, args.max_tokens)
+                    print(f"{name} {kind} x{clients}: ttft {r['ttft_ms']:.0f} ms, {r['tok_s']:.1f} tok/s",
+                          file=sys.stderr, flush=True)
                     for key in ("ttft_ms", "tok_s"):
                         results[f"{kind} x{clients}"][name][key].append(r[key])
     asyncio.run(go())

@@ -218,7 +218,7 @@ def test_an_http_stream_that_stops_reading_is_dropped_and_cancelled(strict):
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
         s.connect(("127.0.0.1", strict.port))
-        s.sendall(post("/v1/chat/completions", chat(stream=True, max_tokens=256,
+        s.sendall(post("/v1/chat/completions", chat(stream=True, max_tokens=256, temperature=0,
                                                     stream_options={"include_usage": True})))
         h = wait_health(strict, lambda h: h["running"] == 1)
         assert h["running"] == 1
@@ -238,7 +238,7 @@ def test_an_http_stream_that_stops_reading_is_dropped_and_cancelled(strict):
 def test_a_client_gone_before_its_answer_cancels_the_completion(strict):
     """A whole (not streamed) completion whose client leaves while it decodes stops at once."""
     with socket.create_connection(("127.0.0.1", strict.port), timeout=30) as s:
-        s.sendall(post("/v1/chat/completions", chat(max_tokens=256)))
+        s.sendall(post("/v1/chat/completions", chat(max_tokens=256, temperature=0)))
         h = wait_health(strict, lambda h: h["running"] == 1)
         assert h["running"] == 1
     before = h["sessions_in_engine"]
