@@ -187,6 +187,11 @@ class ServerConfig:
     max_append_item_chars: int = 4_000_000  # all appends of one open item -> message_too_large
     session_idle_release_s: float = 300.0  # no connection for this long: the session leaves memory
     shutdown_timeout_s: float = 10.0  # SIGTERM to exit, whatever is still running
+    send_timeout_s: float = 30.0  # a client that reads nothing for this long is dropped
+    send_buffer_bytes: int = 65536  # per connection, bytes waiting in the daemon and (doubled) in the kernel
+    head_timeout_s: float = 10.0  # a request head (a handshake too) must arrive within this: else 408
+    body_timeout_s: float = 30.0  # a request body must arrive within this once its head did: else 408
+    metrics_public: bool = False  # /metrics without the API key even when one is set
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -198,9 +203,10 @@ class ServerConfig:
             raise ConfigError(f"served_model_name names one model twice: {list(self.served_model_name)}")
         for name in ("max_frame_bytes", "max_text_chars", "max_output_tokens",
                      "max_sessions_per_connection", "max_connections", "send_queue_events",
-                     "max_append_item_chars"):
+                     "max_append_item_chars", "send_buffer_bytes"):
             _positive(name, getattr(self, name))
-        for name in ("session_idle_release_s", "shutdown_timeout_s"):
+        for name in ("session_idle_release_s", "shutdown_timeout_s", "send_timeout_s", "head_timeout_s",
+                     "body_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")

@@ -42,7 +42,14 @@ HELP = {
     "allowed_hosts": "comma-separated Host names accepted besides loopback ones when bound to loopback",
     "served_model_name": "a name clients may give as `model` (repeatable or comma-separated; default: the "
                          "model's own name; '*': accept any name)",
-    "api_key": "require `Authorization: Bearer KEY` on the websocket handshake",
+    "api_key": "require `Authorization: Bearer KEY` on the websocket handshake, the HTTP API and /metrics",
+    "metrics_public": "serve /metrics without the API key (a bare --metrics-public is true)",
+    "send_timeout_s": "a websocket or HTTP client that reads nothing for this long is disconnected, its "
+                      "response cancelled (its session stays resumable)",
+    "send_buffer_bytes": "bytes one connection may have waiting to be sent, in the daemon and (doubled by "
+                         "Linux) in the kernel's socket buffer; beyond them a send waits, up to --send-timeout-s",
+    "head_timeout_s": "a request head or websocket handshake must arrive within this (else 408)",
+    "body_timeout_s": "a request body must arrive within this once its head has (else 408)",
     "num_blocks": "KV pool blocks (0: size the pool from --kv-memory-gib)",
     "kv_memory_gib": "KV pool size when --num-blocks is 0 (0: an eighth of the machine's memory, or of the "
                      "GPU's, at least 1 GiB)",
@@ -109,8 +116,10 @@ def add_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple
             flag = _flag_name(section, f.name)
             if flag in skip:
                 continue
-            many = typing.get_origin(_field_type(SECTIONS[section], f)) is tuple  # repeatable, or a, b, c
-            group.add_argument("--" + flag.replace("_", "-"), dest=f"{section}.{f.name}", default=None,
+            typ = _field_type(SECTIONS[section], f)
+            many = typing.get_origin(typ) is tuple  # repeatable, or a, b, c
+            switch = {"nargs": "?", "const": "true"} if typ is bool else {}  # a bare --flag says true
+            group.add_argument("--" + flag.replace("_", "-"), dest=f"{section}.{f.name}", default=None, **switch,
                                action="append" if many else "store", metavar=flag.split("_")[-1].upper(),
                                help=f"{HELP.get(flag, '')} (env STREAMCHAT_{flag.upper()}; default {_default(f)})")
 

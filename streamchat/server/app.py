@@ -1,9 +1,10 @@
 """The daemon: model, engine thread, store and websocket server wired together.
 
 Owns start-up (load the model, migrate the store, bind the port), the plain
-HTTP answers on the websocket port (/healthz, /metrics, 401, 403, 404, 405,
-503; the OpenAI HTTP API under /v1/ is `server.openai_http`, through the
-front in `server.http`), saving idle sessions to disk now and then, and shutdown on
+HTTP answers on the websocket port (/healthz, /metrics, 400, 401, 403, 404,
+405, 426, 503; the OpenAI HTTP API under /v1/ is `server.openai_http`), the
+ASGI application that routes each request and websocket (served by uvicorn
+through `server.front`, adapted by `server.asgi`), saving idle sessions to disk now and then, and shutdown on
 SIGTERM/SIGINT: stop accepting, end running responses (stored incomplete),
 close sockets with 1001, save every session's KV to disk, flush the store,
 exit 0.
@@ -20,13 +21,12 @@ import time
 from urllib.parse import parse_qs, urlsplit
 
 import orjson
-from websockets.asyncio.server import serve
 from websockets.datastructures import Headers
 from websockets.http11 import Response
 
 from streamchat.config import Config, omp_wait_defaults
-from streamchat.server import web
-from streamchat.server.http import HttpFront
+from streamchat.server import asgi, front, web
+from streamchat.server.asgi import HttpRequest
 from streamchat.server.openai_http import OpenAIHttp
 from streamchat.server.protocol import Limits
 
@@ -46,7 +46,9 @@ class Daemon:
         self.exit_code = 0
         self.tasks: list[asyncio.Task] = []
         self.started_at = time.time()
-        self.http = HttpFront(OpenAIHttp(self, REALTIME_PATH))  # /v1/ routes other than the websocket
+        self.openai = OpenAIHttp(self, REALTIME_PATH)  # /v1/ routes other than the websocket
+        self.gate = front.Gate()  # connections counted against --max-connections
+        self.http_tasks: set[asyncio.Task] = set()  # one per HTTP request of the OpenAI API in progress
 
     async def start(self) -> None:
         from streamchat.engine.core_client import CoreClient, Supervision
@@ -76,10 +78,7 @@ class Daemon:
                        load_model_defaults(info.model_folder))
         s = cfg.server
         self.limits = Limits(max_text_chars=s.max_text_chars, max_output_tokens=s.max_output_tokens)
-        self.server = await serve(
-            self.handle, s.host, s.port, process_request=self.process_request,
-            max_size=s.max_frame_bytes, select_subprotocol=_select_subprotocol,
-            ping_interval=20, ping_timeout=20, close_timeout=5, create_connection=self.http.create_connection)
+        self.server = await front.listen(self, s, self.gate)
         self.port = self.server.sockets[0].getsockname()[1]
         self._log_ready(info)
         restore = self.hub.restore
@@ -148,11 +147,42 @@ class Daemon:
 
     # -- HTTP -------------------------------------------------------------------
 
-    def process_request(self, connection, request):
-        url = urlsplit(request.path)
+    async def __call__(self, scope, receive, send) -> None:
+        """The ASGI application: a websocket handshake, the OpenAI API, or one of the plain answers."""
+        request = asgi.request_of(scope)
+        s = self.config.server
+        if scope["type"] == "websocket":
+            if (await receive())["type"] != "websocket.connect":  # ASGI's first event of a handshake
+                return
+            refused = self.process_request(request)
+            if refused is not None:
+                return await asgi.deny(send, refused)
+            subprotocols = scope.get("subprotocols", [])
+            await send({"type": "websocket.accept", "subprotocol": "realtime" if "realtime" in subprotocols else None})
+            return await self.handle(asgi.AsgiWebSocket(scope, receive, send, s.send_timeout_s))
+        if self.openai.claims(request.path):
+            return await asgi.serve_http(self.openai, scope, receive, send, s.send_timeout_s, s.body_timeout_s,
+                                         self.http_tasks)
+        response = self.process_request(request)
+        if response is None:  # the websocket's path, asked without an upgrade
+            response = _plain(http.HTTPStatus.UPGRADE_REQUIRED, f"{REALTIME_PATH} is a websocket: open it with a "
+                              "websocket client (Connection: Upgrade, Upgrade: websocket)\n",
+                              {"Upgrade": "websocket"})
+        await asgi.answer(scope, send, response, s.send_timeout_s, close=request.content_length is not None)
+
+    def over_capacity(self) -> bool:
+        """Past --max-connections (each caller's own connection counted), or shutting down."""
+        return self.stopping.is_set() or self.gate.count > self.config.server.max_connections
+
+    def process_request(self, request: HttpRequest) -> Response | None:
+        """The answer to a request outside the OpenAI API, or None to accept a websocket handshake."""
+        url = urlsplit(request.target)
+        duplicate = asgi.duplicate_header(request.headers)
+        if duplicate is not None:
+            return _plain(http.HTTPStatus.BAD_REQUEST, f"the {duplicate} header appears more than once\n")
         if request.method != "GET":
             return _plain(http.HTTPStatus.METHOD_NOT_ALLOWED, "only GET is served\n", {"Allow": "GET"})
-        refused = self._refuse_foreign(request.headers, url.path, connection.local_address[1])
+        refused = self._refuse_foreign(request.headers, url.path, request.port)
         if refused is not None:
             return refused
         page = web.respond(url.path, request.headers)
@@ -163,19 +193,20 @@ class Daemon:
             ok = health["status"] != "failed"
             return _json(http.HTTPStatus.OK if ok else http.HTTPStatus.SERVICE_UNAVAILABLE, health)
         if url.path == "/metrics":
+            if not (self.config.server.metrics_public or self._authorized(request.headers)):
+                return _unauthorized()
             return _plain(http.HTTPStatus.OK, self.metrics.render().decode(),
                           {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
         if url.path != REALTIME_PATH:
             return _plain(http.HTTPStatus.NOT_FOUND, "not found\n")
         if not self._authorized(request.headers):
-            return _plain(http.HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n",
-                          {"WWW-Authenticate": "Bearer"})
+            return _unauthorized()
         model = parse_qs(url.query).get("model", [None])[0]
         if model is not None and not self.serves_model(model):
             served = ", ".join(repr(n) for n in self.served_names)
             return _plain(http.HTTPStatus.BAD_REQUEST, f"this daemon serves the model {served}, not {model!r}; "
                           "the operator may add names with --served-model-name\n")
-        if self.stopping.is_set() or len(self.connections) >= self.config.server.max_connections:
+        if self.over_capacity():
             return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "overloaded: too many connections; retry later\n",
                           {"Retry-After": "1"})
         return None
@@ -191,8 +222,9 @@ class Daemon:
     def _refuse_foreign(self, headers: Headers, path: str, port: int) -> Response | None:
         """403 for a request a web page on another site could have made.
 
-        Host: while bound to loopback, only loopback names (or --allowed-hosts),
-        so a page whose DNS name was rebound to 127.0.0.1 gets nothing.
+        Host: while bound to loopback, and on any address once --allowed-hosts
+        is given, only loopback names or --allowed-hosts, so a page whose DNS
+        name was rebound to the daemon's address gets nothing.
         Origin: a websocket handshake is not subject to CORS, so any page could
         open one; only no Origin (not a browser), the daemon's own pages or
         --allowed-origins pass. /healthz and /metrics skip the Origin check: a
@@ -200,7 +232,7 @@ class Daemon:
         """
         s = self.config.server
         hosts = headers.get_all("Host")
-        if _is_loopback(s.host) and not (len(hosts) == 1 and _host_allowed(hosts[0], s.allowed_hosts)):
+        if (_is_loopback(s.host) or s.allowed_hosts) and not (len(hosts) == 1 and _host_allowed(hosts[0], s.allowed_hosts)):
             log.info("refused a request for Host %s", hosts)
             return _plain(http.HTTPStatus.FORBIDDEN, f"Host {', '.join(hosts)!r} is not allowed; to allow it, "
                           "start the daemon with --allowed-hosts NAME\n")
@@ -246,7 +278,8 @@ class Daemon:
                           "disk": _pick(tiers["disk"], "files", "bytes", "budget_bytes")},
                 "sessions": len(self.hub.sessions), "sessions_in_engine": snap.sessions,
                 "queued_tokens": snap.queued_tokens, "failed_steps": snap.failed_steps,
-                "connections": len(self.connections)}
+                "running": snap.sessions_running, "connections": len(self.connections),
+                "connections_counted": self.gate.count}
 
     # -- websocket ----------------------------------------------------------------
 
@@ -296,14 +329,17 @@ class Daemon:
             log.warning("the store did not close in time; its committed writes are safe")
 
     async def _close_connections(self) -> None:
-        self.server.close(close_connections=False)
-        await self.http.close()
+        self.server.close()
+        for task in list(self.http_tasks):
+            task.cancel()  # its request's `finally` runs: the completion's session is closed
+        if self.http_tasks:
+            await asyncio.wait(list(self.http_tasks), timeout=5.0)
         for conn in list(self.connections):
             await conn.cancel_quietly()
         for conn in list(self.connections):
             await asyncio.gather(*list(conn.tasks), return_exceptions=True)
             await conn.ws.close(1001, "server shutting down")
-        await self.server.wait_closed()
+        front.close_all(self.gate, grace_s=1.0)
 
 
 async def _serve(config: Config, log_level: str, log_format: str) -> int:
@@ -357,15 +393,12 @@ def _self_origins(bind_host: str, port: int) -> set[str]:
     return {f"http://{name}{suffix}" for name in names}
 
 
-def _select_subprotocol(connection, subprotocols):
-    return "realtime" if "realtime" in subprotocols else None
-
-
 def _plain(status: http.HTTPStatus, text: str, headers: dict | None = None) -> Response:
-    h = Headers({"Content-Type": "text/plain; charset=utf-8", **(headers or {})})
-    body = text.encode()
-    h["Content-Length"] = str(len(body))
-    return Response(status.value, status.phrase, h, body)
+    return asgi.plain(status.value, text, headers)
+
+
+def _unauthorized() -> Response:
+    return _plain(http.HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n", {"WWW-Authenticate": "Bearer"})
 
 
 def _json(status: http.HTTPStatus, doc: dict) -> Response:

@@ -22,8 +22,8 @@ from streamchat.engine import api
 from streamchat.engine.api import EngineError
 from streamchat.engine.events import ResponseFinished, TextDelta
 from streamchat.model.sampling_params import resolve_params
+from streamchat.server.asgi import BodyTimeout, BodyTooLarge, HttpRequest, Responder, duplicate_header
 from streamchat.server.events import logprobs_content, new_id
-from streamchat.server.http import BodyTooLarge, HttpRequest, Responder
 from streamchat.server.openai_schema import (
     ApiError, ChatRequest, chunk_object, completion_object, invalid, models_object, parse_chat_request,
     usage_object)
@@ -48,8 +48,7 @@ class OpenAIHttp:
 
     def __init__(self, daemon: Daemon, websocket_path: str) -> None:
         self.daemon = daemon
-        self.websocket_path = websocket_path  # under /v1/ too, but websockets' own
-        self.running = 0  # chat completions in progress
+        self.websocket_path = websocket_path  # under /v1/ too, but the websocket's
 
     def claims(self, path: str) -> bool:
         return path.startswith(API_PREFIX) and path != self.websocket_path
@@ -71,16 +70,19 @@ class OpenAIHttp:
                 raise ApiError(404, f"Invalid URL ({request.method} {request.path})", code="unknown_url")
         except ApiError as exc:
             await _answer_error(out, exc)
-        except ConnectionError:
-            raise  # the client left: nobody to answer
+        except (ConnectionError, BodyTimeout):
+            raise  # the client left (nobody to answer), or its body is late (the front answers 408)
         except Exception:
             log.exception("HTTP %s %s failed", request.method, request.path)
             await _answer_error(out, ApiError(500, "the server failed on this request", "server_error",
                                               code="internal"))
 
     def _admit(self, request: HttpRequest) -> None:
-        """The websocket's rules: Host and Origin, then the API key."""
+        """The websocket's rules: each single header once, Host and Origin, then the API key."""
         d = self.daemon
+        duplicate = duplicate_header(request.headers)
+        if duplicate is not None:
+            raise ApiError(400, f"the {duplicate} header appears more than once", code="duplicate_header")
         refused = d._refuse_foreign(request.headers, request.path, request.port)
         if refused is not None:
             raise ApiError(403, refused.body.decode().strip(), code="forbidden")
@@ -110,12 +112,10 @@ class OpenAIHttp:
             params = resolve_params(d.hub.model_defaults, {}, chat.sampling).validate(d.hub.vocab_size)
         except ValueError as exc:  # a logit_bias id past the vocabulary
             raise invalid(str(exc), getattr(exc, "field", None), "invalid_value") from None
-        if d.stopping.is_set() or self.running + len(d.connections) >= d.config.server.max_connections:
+        if d.over_capacity():
             raise ApiError(503, "overloaded: too many requests; retry later", "server_error", code="overloaded",
                            headers={"Retry-After": "1"})
         max_tokens = chat.max_tokens or d.config.server.max_output_tokens
-        self.running += 1
-        counted = True
         try:
             async with d.hub.ephemeral(chat.instructions, chat.messages) as session_id:
                 rid = new_id("chatcmpl").replace("_", "-")
@@ -129,12 +129,8 @@ class OpenAIHttp:
                     await _Reply(chat, rid, stream, out).run()
                 finally:
                     d.hub.engine.close_stream(rid)
-                    self.running -= 1  # answered: the session's close that follows holds no slot
-                    counted = False
         except EngineError as exc:
             raise _engine_error(exc.code, str(exc)) from None
-        finally:
-            self.running -= counted
 
 
 class _Reply:
