@@ -191,13 +191,14 @@ def test_daemon_not_running_says_how_to_start_it(env):
                                "source tree) or `streamchat serve`.\n")
 
 
-FEED_CHARS = 33_000  # about 8,200 tokens of the bundled novel: 16 times the window
+FEED_CHARS = 9_000  # about 2,200 tokens of the bundled novel: eight times the window
 SYSTEM = "You answer questions about the text you were given."
 
 
-def test_feed_of_8k_tokens_keeps_the_session_bounded(tmp_path, env):
-    """`feed` pushes 8k+ tokens through a 512-token window, --ask answers, blocks stay bounded; then the daemon stops."""
-    window, sink, block = 512, 4, 16
+def test_a_feed_of_eight_windows_keeps_the_session_bounded(tmp_path, env):
+    """`feed` pushes 2k+ tokens through a 256-token window, --ask answers, blocks stay bounded; then the daemon
+    stops. (bench/longchat.py and docs/eval.md take far longer texts through the window.)"""
+    window, sink, block = 256, 4, 16
     daemon = RealDaemon(tmp_path / "feed.db", "--window-tokens", str(window), "--sink-tokens",
                         str(sink), "--num-blocks", "200").start()
     try:
@@ -225,7 +226,7 @@ def test_feed_of_8k_tokens_keeps_the_session_bounded(tmp_path, env):
                              r"tokens · evicted ([\d,]+)", fed.stderr)
         assert progress, fed.stderr
         tokens = int(progress.group(2).replace(",", ""))
-        assert tokens >= 8_000
+        assert tokens >= 2_000
 
         resumed, stats = session_stats(daemon.url, session_id, saved["resume_token"])
         assert resumed["restored_from"] == "memory"
