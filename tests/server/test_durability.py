@@ -12,6 +12,9 @@ from streamchat.store import Store
 pytestmark = pytest.mark.slow
 
 
+STORY = "Tell me a very long story, in many chapters, about the ship that sails at dawn."
+
+
 def user_item(text):
     return {"type": "conversation.item.create",
             "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}
@@ -31,10 +34,10 @@ def test_kill9_during_response_and_append_then_resume_from_transcript(tmp_path):
         await c.until("session.updated")
         await c.send(user_item("My name is Ada."))
         await c.until("conversation.item.added")
-        await c.send({"type": "streamchat.input_text.append", "text": "The ship sails at dawn"})
+        await c.send({"type": "streamchat.input_text.append", "text": STORY})
         appended = await c.until("streamchat.input_text.appended")
         assert appended[-1]["tokens"] > 0
-        await c.send({"type": "response.create", "response": {"max_output_tokens": 256}})
+        await c.send({"type": "response.create", "response": {"max_output_tokens": 256, "temperature": 0}})
         seen = []  # (when, text so far)
         while not seen or time.monotonic() - seen[0][0] < 2.5:
             e = await c.recv()
@@ -49,7 +52,7 @@ def test_kill9_during_response_and_append_then_resume_from_transcript(tmp_path):
     with Store(f"sqlite:///{db}") as store:
         items = store.items(sid)
         assert [(i.role, i.kind) for i in items][:2] == [("user", "message"), ("user", "append")]
-        assert items[0].text == "My name is Ada." and items[1].text == "The ship sails at dawn"
+        assert items[0].text == "My name is Ada." and items[1].text == STORY
         reply = items[2].text
     shown = seen[-1][1]
     due = max((text for when, text in seen if when <= killed - 1.5), key=len)

@@ -61,7 +61,7 @@ def exchange(d, raw: bytes, read_s: float = 30.0, rcvbuf: int | None = None) -> 
 
 def post(path: str, body: bytes, version: str = "1.1", extra: bytes = b"") -> bytes:
     return (f"POST {path} HTTP/{version}\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
-            f"Content-Length: {len(body)}\r\n").encode() + extra + b"\r\n" + body
+            f"Connection: close\r\nContent-Length: {len(body)}\r\n").encode() + extra + b"\r\n" + body
 
 
 def chat(**extra) -> bytes:
@@ -116,10 +116,11 @@ def test_http10_gets_no_chunked_encoding(strict):
 def test_duplicate_headers_get_400_on_http_and_the_websocket(strict):
     """Two Authorization (or Host) headers are refused with 400 on every path, the handshake included."""
     twice = b"Authorization: Bearer k3y\r\nAuthorization: Bearer other\r\n"
-    reply = exchange(strict, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + twice + b"\r\n")
+    close = b"Connection: close\r\n"  # else the reply is read until the kept-alive connection idles out
+    reply = exchange(strict, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + close + twice + b"\r\n")
     assert reply.startswith(b"HTTP/1.1 400 ")
     assert orjson.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "duplicate_header"
-    reply = exchange(strict, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: 127.0.0.1\r\n\r\n")
+    reply = exchange(strict, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: 127.0.0.1\r\n" + close + b"\r\n")
     assert reply.startswith(b"HTTP/1.1 400 ") and reply.endswith(b"the host header appears more than once\n")
 
     async def handshake():
