@@ -245,7 +245,7 @@ def build_engine(config):
     from streamchat.model.runner import ModelRunner, load_model
     from streamchat.tiers.disk import default_data_dir
 
-    loaded = load_model(config.model, measure=measure_weights)
+    loaded = load_model(config.model, measure=measure_weights, use_card=True)
     cache, kv_reason = resolve_kv_dtype(loaded, config.cache, config.model.cache_dir)
     log.info("kv dtype %s: %s", cache.kv_dtype, kv_reason)
     runner = ModelRunner(loaded, cache, config.scheduler.max_running, config.model.cuda_graphs, kv_reason)

@@ -44,7 +44,7 @@ class Engine(TextCalls, Admission):
                  tiers: TierConfig | None = None, data_dir=None, sync_io: bool = True) -> None:
         self.runner = runner
         self.tokenizer = runner.loaded.tokenizer
-        self.chat = ChatFormat.of(self.tokenizer)
+        self.chat = getattr(self.tokenizer, "chat", None) or ChatFormat.of(self.tokenizer)  # a card's has one
         self.cache_cfg = cache
         self.pool = BlockPool(runner.num_blocks)
         extra = (f"{runner.loaded.source.fingerprint}:{runner.model.dtype}:{runner.kv_dtype}:"

@@ -19,13 +19,13 @@ def rope_parameters(config) -> dict:
 
 def inv_freq(config, dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (dim // 2,) and the attention factor of the model's rope, over `dim` dims."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     params = rope_parameters(config)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
 
 

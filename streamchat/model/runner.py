@@ -16,11 +16,12 @@ import torch
 from streamchat.config import CacheConfig, ConfigError, ModelConfig
 from streamchat.model.batch import StepBatch
 from streamchat.model.attention import AttentionMetadata, DecodeGroup, PrefillGroup, make_backend
-from streamchat.model import kv_spec, registry, weights_auto
+from streamchat.model import card, kv_spec, registry, weights_auto
 from streamchat.model.llama import load_state
 from streamchat.model.loader import ModelLoadError, ModelSource, default_cache_dir, resolve
 from streamchat.model.static_decode import StaticDecode
 from streamchat.model.weights import GGUF_GROUPS, LinearBuilder, check_device, served_source
+from streamchat.text.chat import Frames
 
 log = logging.getLogger(__name__)
 
@@ -60,27 +61,22 @@ class LoadedModel:
     weights: str = "bf16"  # the served weight format (auto resolved)
 
 
-def load_model(cfg: ModelConfig, measure=None) -> LoadedModel:
+def load_model(cfg: ModelConfig, measure=None, use_card: bool = False) -> LoadedModel:
     """Resolve, read and place the model the config names, its weights in the configured format.
 
     `measure(build, tokenizer)`: how `--weights auto` measures the formats when no earlier decision is
-    cached (`streamchat.autotune.measure_weights`); without it, auto refuses to measure.
+    cached (`streamchat.autotune.measure_weights`); without it, auto refuses to measure. `use_card`
+    (the engine core): config and tokenizer from the model's cached card (`model/card.py`) when there
+    is one, else read through transformers and the card written; the tokenizer is then the
+    `tokenizers`-only one, not transformers'.
     """
-    from transformers import AutoConfig, AutoTokenizer
-
     device = pick_device(cfg.device)
     check_device(cfg.weights, device)  # before anything slow
     source = resolve(cfg.path, cfg.cache_dir)
     dtype = pick_dtype(cfg.dtype, device)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    try:
-        hf_config = AutoConfig.from_pretrained(source.folder)
-        tokenizer = AutoTokenizer.from_pretrained(source.folder)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read model folder {source.folder}: {exc}") from exc
-    if tokenizer.chat_template is None:
-        raise ModelLoadError(f"{source.folder} has no chat template; streamchat serves chat models")
+    hf_config, tokenizer = _config_and_tokenizer(source, cfg, use_card)
     backend = make_backend(cfg.attention_backend, device)
     model_class = registry.model_class(hf_config.model_type)
     state, raw = load_state(source.folder), _gguf_raw(source, hf_config, cfg.weights, device, dtype)
@@ -96,6 +92,30 @@ def load_model(cfg: ModelConfig, measure=None) -> LoadedModel:
     loaded = build(weights)
     log.debug("loaded %s (%s, %s weights, %s, %s attention)", source.name, dtype, weights, device, backend.name)
     return loaded
+
+
+def _config_and_tokenizer(source: ModelSource, cfg: ModelConfig, use_card: bool):
+    path = card.card_path(Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(), source.folder,
+                          source.fingerprint)
+    found = card.read(path) if use_card else None
+    if found is not None:
+        return found
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        hf_config = AutoConfig.from_pretrained(source.folder)
+        tokenizer = AutoTokenizer.from_pretrained(source.folder)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read model folder {source.folder}: {exc}") from exc
+    if tokenizer.chat_template is None:
+        raise ModelLoadError(f"{source.folder} has no chat template; streamchat serves chat models")
+    if not use_card:
+        return hf_config, tokenizer
+    from streamchat.text.tokenizer import export_tokenizer
+
+    tokenizer_json, frames = export_tokenizer(tokenizer), Frames.from_template(tokenizer)
+    card.write(path, hf_config, tokenizer_json, frames, tokenizer.eos_token_id)
+    return hf_config, card.CardTokenizer(tokenizer_json, frames, tokenizer.eos_token_id)
 
 
 def _gguf_raw(source: ModelSource, hf_config, weights: str, device: torch.device, dtype: torch.dtype):

@@ -59,15 +59,21 @@ class Daemon:
 
         cfg = self.config
         store = Store(cfg.store.url)
-        await asyncio.to_thread(store.migrate)
-        self.store = AsyncStore(store)
         sched = cfg.scheduler
         self.aengine = CoreClient(cfg, sched.engine_call_timeout_s,
                                   Supervision(max_restarts=sched.max_engine_restarts,
                                               restart_window_s=sched.engine_restart_window_s),
                                   *self.log_settings)
         self.aengine.on_fatal = self._engine_failed
-        info = await self.aengine.start()
+        core = asyncio.ensure_future(self.aengine.start())  # the core loads its model while the store migrates
+        try:
+            await asyncio.to_thread(store.migrate)
+        except BaseException:
+            core.cancel()
+            await asyncio.gather(core, return_exceptions=True)
+            raise
+        self.store = AsyncStore(store)
+        info = await core
         self.model_name = info.model_name
         names = cfg.server.served_model_name
         # what a client may name as `model`; the first is what the session object reports

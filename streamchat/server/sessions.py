@@ -30,9 +30,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Hub", "LiveSession", "SessionNotFound", "transcript_mark", "transcript_messages"]
 OFF_LOOP_CHARS = 4096  # longer texts are tokenized on a worker thread, not the event loop
-# no token of a model we serve spans more characters than this (SmolLM2: 81), so a text longer than
-# limit * MAX_CHARS_PER_TOKEN has more than `limit` tokens, known without tokenizing it
-MAX_CHARS_PER_TOKEN = 128
 
 
 @dataclass
@@ -90,11 +87,12 @@ class Hub:
 
     async def instruction_tokens(self, fn, *args) -> tuple[int, ...]:
         """A system prompt framed by `fn`, refused `instructions_too_long` past the limit: by its length
-        in characters before any tokenizing (no token is longer than MAX_CHARS_PER_TOKEN), then by its
-        tokens (the engine checks again, and checks the pool)."""
+        in characters before any tokenizing (a text longer than `limit` times the served vocabulary's
+        longest token has more than `limit` tokens), then by its tokens (the engine checks again, and
+        checks the pool)."""
         limit = self.cache_cfg.max_instructions_tokens
         chars = sum(len(a) for a in args if isinstance(a, str))
-        if chars > limit * MAX_CHARS_PER_TOKEN:
+        if chars > limit * self.engine.tokenizer.max_token_chars:
             raise EngineError("instructions_too_long",
                               f"the instructions are {chars} characters, far more than the {limit} tokens "
                               "taken (--max-instructions-tokens); they were not read")

@@ -39,6 +39,9 @@ class FrontTokenizer:
         self._text = Tokenizer.from_str(tokenizer_json)
         self._text.encode_special_tokens = True
         self.chat = ChatFormat(frames, self.encode_text, self.encode_control)
+        # no token covers more characters of text than its piece has (a byte-level piece has one per byte,
+        # a byte-fallback piece six for one): a text longer than n times this has more than n tokens
+        self.max_token_chars = max(map(len, self._control.get_vocab(with_added_tokens=True)), default=1)
 
     def encode_text(self, text: str) -> list[int]:
         return self._text.encode(text, add_special_tokens=False).ids
@@ -76,7 +79,9 @@ class FrontTokenizer:
 
 
 def export_tokenizer(hf_tokenizer) -> str:
-    """A transformers fast tokenizer as the JSON `FrontTokenizer` loads."""
+    """A transformers fast tokenizer (or a model card's) as the JSON `FrontTokenizer` loads."""
+    if isinstance(getattr(hf_tokenizer, "tokenizer_json", None), str):
+        return hf_tokenizer.tokenizer_json
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise ValueError("the model's tokenizer has no fast (tokenizers) form; the front needs one")

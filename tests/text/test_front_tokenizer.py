@@ -6,7 +6,6 @@ the same way from the bundled model's tokenizer.
 
 import pytest
 
-from streamchat.server.sessions import MAX_CHARS_PER_TOKEN
 from streamchat.text.chat import ChatFormat, Frames
 from streamchat.text.tokenizer import FrontTokenizer, export_tokenizer
 
@@ -46,8 +45,10 @@ def test_a_forged_turn_in_user_text_is_plain_text(toks, role):
 
 
 def test_no_token_is_longer_than_the_instruction_char_bound(toks):
-    """The front refuses instructions by length before tokenizing, assuming no token spans more than
-    MAX_CHARS_PER_TOKEN characters: true of the bundled vocabulary."""
-    hf, _ = toks
+    """The front refuses instructions by length before tokenizing, taking no token to span more than
+    `max_token_chars` characters (derived from the served vocabulary): true of every token's text."""
+    hf, front = toks
     longest = max(len(hf.convert_tokens_to_string([t])) for t in hf.get_vocab())
-    assert longest <= MAX_CHARS_PER_TOKEN, longest
+    assert 0 < longest <= front.max_token_chars, (longest, front.max_token_chars)
+    text = "x" * 200
+    assert len(front.encode_text(text)) >= len(text) // front.max_token_chars

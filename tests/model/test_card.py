@@ -1,0 +1,85 @@
+"""The model card: an engine core's config and tokenizer without transformers, exactly as transformers reads them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from streamchat.model import card
+from streamchat.text.chat import ChatFormat, Frames
+from streamchat.text.tokenizer import export_tokenizer
+
+TEXTS = ["Hello there", "Sure — 你好 🙂 <|im_end|> ok", "  spaces\nand\ttabs  "]
+
+
+@pytest.fixture(scope="module")
+def written(bundled_fp32, tmp_path_factory):
+    hf_config, hf_tok = bundled_fp32.hf_config, bundled_fp32.tokenizer
+    path = tmp_path_factory.mktemp("cards") / "cards" / "c.json"
+    card.write(path, hf_config, export_tokenizer(hf_tok), Frames.from_template(hf_tok), hf_tok.eos_token_id)
+    return path
+
+
+def test_a_card_reads_back_what_transformers_read(bundled_fp32, written):
+    hf_config, hf_tok = bundled_fp32.hf_config, bundled_fp32.tokenizer
+    assert oct(written.stat().st_mode & 0o777) == "0o600"
+    config, tok = card.read(written)
+    assert config.to_dict() == json.loads(json.dumps(hf_config.to_dict()))  # JSON's keys are strings
+    for name in ("model_type", "hidden_size", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings",
+                 "eos_token_id", "vocab_size"):
+        assert getattr(config, name) == getattr(hf_config, name), name
+    assert tok.eos_token_id == hf_tok.eos_token_id and tok.chat.frames == Frames.from_template(hf_tok)
+    core = ChatFormat.of(hf_tok)
+    for text in TEXTS:
+        assert tok(text)["input_ids"] == core.encode(text)
+        assert tok.chat.message("user", text) == core.message("user", text)
+
+
+def test_a_bad_or_foreign_card_is_not_used(written, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(written.read_bytes()[:1000])
+    bad.chmod(0o600)
+    assert card.read(bad) is None
+    shared = tmp_path / "shared.json"
+    shared.write_bytes(written.read_bytes())
+    shared.chmod(0o666)  # anyone could have written it
+    assert card.read(shared) is None
+    assert card.read(tmp_path / "none.json") is None
+
+
+def test_the_card_key_follows_config_and_template_not_weights(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer_config.json", "model.safetensors"):
+        (folder / name).write_text("{}")
+    key = card.card_path(tmp_path, folder, "fp")
+    os.utime(folder / "model.safetensors", ns=(1, 1))  # the fingerprint covers the weights
+    assert card.card_path(tmp_path, folder, "fp") == key
+    assert card.card_path(tmp_path, folder, "fp2") != key
+    (folder / "tokenizer_config.json").write_text('{"chat_template": "x"}')
+    assert card.card_path(tmp_path, folder, "fp") != key
+
+
+def test_rope_other_than_plain_writes_no_card(bundled_fp32, tmp_path):
+    class Yarn:
+        def to_dict(self):
+            return {"model_type": "deepseek_v2", "rope_scaling": {"type": "yarn", "factor": 4.0}}
+
+    hf_tok = bundled_fp32.tokenizer
+    path = tmp_path / "c.json"
+    card.write(path, Yarn(), export_tokenizer(hf_tok), Frames.from_template(hf_tok), 0)
+    assert not path.exists()
+
+
+def test_a_core_start_with_a_card_imports_no_transformers(bundled_fp32):
+    """The engine core's load: the first writes the bundled model's card (if no earlier start did), a
+    second process reads it and never imports transformers."""
+    code = ("import sys; from streamchat.config import ModelConfig; from streamchat.model import runner; "
+            "lm = runner.load_model(ModelConfig(num_threads=1), use_card=True); "
+            "print(type(lm.tokenizer).__name__, 'transformers' in sys.modules)")
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["CardTokenizer", "False"], out.stdout
