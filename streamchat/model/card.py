@@ -12,6 +12,11 @@ config view and a `tokenizers`-only tokenizer from it.
 
 Only plain rotary configs use a card: other rope types are computed by
 transformers' own initialisers, which want its config class.
+
+Beside a card, a `.<weights>.checked` mark records that a load in that
+weight format found every GGUF block the CPU kernels multiply with decoding
+exactly to its converted weight, so later loads skip that comparison (a full
+pass over the weights).
 """
 
 from __future__ import annotations
@@ -100,3 +105,17 @@ def write(path: Path, hf_config, tokenizer_json: str, frames: Frames, eos_token_
         private_files.write_private(path, json.dumps(card).encode())
     except OSError as exc:
         log.warning("model card %s not written: %s", path, exc)
+
+
+def blocks_checked(path: Path, weights: str) -> bool:
+    mark = path.with_suffix(f".{weights}.checked")
+    return mark.is_file() and private_files.distrust(mark) is None
+
+
+def mark_blocks_checked(path: Path, weights: str) -> None:
+    """After a load in `weights` format found every block it compared equal to its weight."""
+    try:
+        private_files.private_dir(path.parent)
+        private_files.write_private(path.with_suffix(f".{weights}.checked"), b"")
+    except OSError as exc:
+        log.warning("model card mark %s not written: %s", path, exc)

@@ -76,14 +76,19 @@ def load_model(cfg: ModelConfig, measure=None, use_card: bool = False) -> Loaded
     dtype = pick_dtype(cfg.dtype, device)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    hf_config, tokenizer = _config_and_tokenizer(source, cfg, use_card)
+    card_file = card.card_path(Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(), source.folder,
+                               source.fingerprint)
+    hf_config, tokenizer = _config_and_tokenizer(source, card_file, use_card)
     backend = make_backend(cfg.attention_backend, device)
     model_class = registry.model_class(hf_config.model_type)
     state, raw = load_state(source.folder), _gguf_raw(source, hf_config, cfg.weights, device, dtype)
 
     def build(weights: str) -> LoadedModel:
-        make = LinearBuilder(weights, raw, activations=cfg.decode_activations)
+        checked = use_card and card.blocks_checked(card_file, weights)
+        make = LinearBuilder(weights, raw, activations=cfg.decode_activations, checked=checked)
         model = model_class(hf_config, state, dtype, device, backend, make)
+        if use_card and not checked and raw and not make.mismatches:
+            card.mark_blocks_checked(card_file, weights)
         return LoadedModel(served_source(source, weights, cfg.decode_activations), hf_config, tokenizer, model, weights)
 
     weights = cfg.weights
@@ -94,9 +99,7 @@ def load_model(cfg: ModelConfig, measure=None, use_card: bool = False) -> Loaded
     return loaded
 
 
-def _config_and_tokenizer(source: ModelSource, cfg: ModelConfig, use_card: bool):
-    path = card.card_path(Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(), source.folder,
-                          source.fingerprint)
+def _config_and_tokenizer(source: ModelSource, path: Path, use_card: bool):
     found = card.read(path) if use_card else None
     if found is not None:
         return found

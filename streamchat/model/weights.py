@@ -77,11 +77,13 @@ class LinearBuilder:
     4-bit blocks from it as they are); None for a Hugging Face folder.
     `head`: the head's format when not HEAD_FORMAT's (tests pin exactness with it).
     `activations`: what decode rows multiply grouped weights with (ACTIVATIONS).
+    `checked`: an earlier load of the same files found every GGUF block decoding to its converted
+    weight (`model/card.py`), so the comparison is skipped; `mismatches` counts the blocks that did not.
     """
 
     def __init__(self, weights: str, raw: dict[str, RawTensor] | None = None,
                  compute_dtype: torch.dtype = COMPUTE_DTYPE, head: str | None = None,
-                 activations: str = "float32") -> None:
+                 activations: str = "float32", checked: bool = False) -> None:
         for fmt in (weights, head or weights):
             if fmt not in FORMATS:
                 raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
@@ -90,6 +92,7 @@ class LinearBuilder:
         self.weights, self.raw, self.compute_dtype = weights, raw or {}, compute_dtype
         self.head_format = head or HEAD_FORMAT[weights]
         self.x8 = activations == "int8"
+        self.checked, self.mismatches = checked, 0
 
     def layer(self, w: dict[str, torch.Tensor], names: list[str], bias: torch.Tensor | None = None) -> Linear:
         """The projection of `names` fused along out_features, as `w` (dense, model dtype) holds them."""
@@ -122,8 +125,9 @@ class LinearBuilder:
             parts = [q8_0_groups(raws[0].data)]
         else:
             return None
-        if all(p.decodes_to(w[n]) for p, n in zip(parts, names)):
+        if self.checked or all(p.decodes_to(w[n]) for p, n in zip(parts, names)):
             return parts[0] if len(parts) == 1 else cpu.Groups.cat(parts)
+        self.mismatches += 1
         log.warning("%s: the GGUF's blocks do not decode to the converted weight; not using them",
                     ", ".join(names))
         return None
@@ -134,8 +138,9 @@ class LinearBuilder:
         if decode is None:
             return minmax_codes(w[name])
         codes = decode(raw.data)
-        if torch.equal(codes.dequantize().to(device=w[name].device, dtype=w[name].dtype), w[name]):
+        if self.checked or torch.equal(codes.dequantize().to(device=w[name].device, dtype=w[name].dtype), w[name]):
             return codes
+        self.mismatches += 1
         log.warning("%s: the GGUF's %s blocks do not decode to the converted weight; quantizing it instead",
                     name, raw.qtype)
         return minmax_codes(w[name])

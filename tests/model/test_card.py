@@ -73,13 +73,38 @@ def test_rope_other_than_plain_writes_no_card(bundled_fp32, tmp_path):
     assert not path.exists()
 
 
-def test_a_core_start_with_a_card_imports_no_transformers(bundled_fp32):
-    """The engine core's load: the first writes the bundled model's card (if no earlier start did), a
-    second process reads it and never imports transformers."""
+def test_a_second_core_start_reads_the_card_and_compares_no_blocks(monkeypatch):
+    """A core's first load writes the card, compares the GGUF's blocks with the converted weights and marks
+    the card; the next load in the same format skips the comparison (another format would not), and a
+    core process started with the card never imports transformers."""
+    from streamchat.config import ModelConfig
+    from streamchat.kernels import cpu
+    from streamchat.model import runner
+
+    if cpu.library() is None:
+        pytest.skip("no C compiler on PATH: the CPU kernels (and their GGUF blocks) are not used")
+    calls = []
+    real = cpu.Groups.decodes_to
+    monkeypatch.setattr(cpu.Groups, "decodes_to", lambda self, w: calls.append(1) or real(self, w))
+    path = card.card_path(runner.default_cache_dir(), *_bundled_folder_and_fingerprint())
+    path.with_suffix(".bf16.checked").unlink(missing_ok=True)
+    counts = []
+    for _ in range(2):
+        calls.clear()
+        runner.load_model(ModelConfig(num_threads=1), use_card=True)
+        counts.append(len(calls))
+    assert counts[0] > 0 and counts[1] == 0, counts
+    assert card.blocks_checked(path, "bf16") and not card.blocks_checked(path, "int8")
     code = ("import sys; from streamchat.config import ModelConfig; from streamchat.model import runner; "
             "lm = runner.load_model(ModelConfig(num_threads=1), use_card=True); "
             "print(type(lm.tokenizer).__name__, 'transformers' in sys.modules)")
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["CardTokenizer", "False"], out.stdout
+
+
+def _bundled_folder_and_fingerprint():
+    from streamchat.model.loader import resolve
+
+    source = resolve(None)
+    return source.folder, source.fingerprint
