@@ -214,8 +214,10 @@ def test_turn_instructions_leave_the_context_when_the_response_ends(bundled_fp32
     rebuilt = list(eng.sessions["t"].seq.token_ids)
     system = eng.chat.message("system", "Answer in French.")
     assert all(live[i:i + len(system)] != system for i in range(len(live)))
-    if eng.chat.encode(text) == list(fin.token_ids):  # the reply's tokens re-encode the same
-        assert live == rebuilt
+    # the rebuild re-encodes the reply's text: the comparison means something only when that gives the
+    # same tokens, which holds for this short greedy reply (and must keep holding for the test to count)
+    assert eng.chat.encode(text) == list(fin.token_ids), (text, fin.token_ids)
+    assert live == rebuilt
 
 
 def test_instructions_past_the_limit_or_the_pool_are_refused_and_change_nothing(bundled_fp32):
