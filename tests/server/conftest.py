@@ -116,3 +116,26 @@ def daemon(tmp_path_factory):
     d = Daemon(tmp_path_factory.mktemp("db") / "s.db").start()
     yield d
     d.stop()
+
+
+@pytest.fixture(scope="session")
+def counted_daemon(tmp_path_factory):
+    """A daemon for the tests that read its global figures (/metrics counters, /healthz blocks and sessions):
+    no other module uses it, its tests run one after another and each compares figures taken before and
+    after its own work, waiting (with a deadline) until the daemon has settled. A 64-token window, so a
+    short chat evicts."""
+    d = Daemon(tmp_path_factory.mktemp("counted") / "c.db", "--window-tokens", "64").start()
+    yield d
+    d.stop()
+
+
+def wait_for(condition, what, timeout=20.0, interval=0.05):
+    """Poll `condition()` until it returns a true value, which is returned; fail naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up after {timeout:.0f} s waiting for {what} (last: {value!r})")
+        time.sleep(interval)
