@@ -110,6 +110,20 @@ class Client:
         await self.ws.close()
 
 
+async def settled_stats(c, timeout=30.0):
+    """The session's streamchat.session.stats once none of its tokens waits to enter the cache: a reply's
+    close (its last token, <|im_end|>, a newline) is still queued when response.done is sent."""
+    deadline = time.monotonic() + timeout
+    while True:
+        await c.send({"type": "streamchat.session.stats"})
+        stats = await c.recv()
+        assert stats["type"] == "streamchat.session.stats", stats
+        if stats["queued_tokens"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"the session's queued tokens never entered the cache: {stats}"
+        await asyncio.sleep(0.05)
+
+
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory):
     """One daemon shared by the server tests that need no special flags."""

@@ -7,7 +7,7 @@ import urllib.request
 
 import orjson
 import pytest
-from conftest import Client
+from conftest import Client, settled_stats
 
 pytestmark = pytest.mark.slow
 
@@ -60,9 +60,7 @@ def test_session_update_item_and_response_event_by_event(daemon):
         usage = final["usage"]
         assert usage["output_tokens"] >= 1 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
         assert usage["input_token_details"]["cached_tokens"] >= 0 and usage["timing"]["ttft_ms"] > 0
-        await c.send({"type": "streamchat.session.stats"})
-        stats = await c.recv()
-        assert stats["type"] == "streamchat.session.stats"
+        stats = await settled_stats(c)
         # the context holds the prompt, the reply and the close of the cut message (<|im_end|> and a newline)
         assert stats["context_tokens"] == usage["input_tokens"] + usage["output_tokens"] + 2, (stats, usage)
         assert stats["total_tokens"] == stats["context_tokens"] and stats["evicted_tokens"] == 0  # window 256

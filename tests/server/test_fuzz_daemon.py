@@ -7,7 +7,7 @@ import urllib.request
 
 import orjson
 import pytest
-from conftest import Client, wait_for
+from conftest import Client, settled_stats, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -81,10 +81,7 @@ def test_two_thousand_bad_frames_each_get_an_error_and_nothing_leaks(counted_dae
         await good.until("conversation.item.done")
         await good.send({"type": "response.create", "response": {"max_output_tokens": 8}})
         assert (await good.until("response.done"))[-1]["response"]["status"] in ("completed", "incomplete")
-        stats = []
-        for c in (bad, good):
-            await c.send({"type": "streamchat.session.stats"})
-            stats.append(await c.recv())
+        stats = [await settled_stats(bad), await settled_stats(good)]
         await bad.close()
         await good.close()
         return stats

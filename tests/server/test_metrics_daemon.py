@@ -5,7 +5,7 @@ import asyncio
 import urllib.request
 
 import pytest
-from conftest import Client, wait_for
+from conftest import Client, settled_stats, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
@@ -41,13 +41,6 @@ async def turn(c, text, **response):
     return (await c.until("response.done"))[-1]["response"]
 
 
-async def stats(c):
-    await c.send({"type": "streamchat.session.stats"})
-    reply = await c.recv()
-    assert reply["type"] == "streamchat.session.stats", reply
-    return reply
-
-
 async def workload(url):
     """Session a: three turns past its 64-token window, then closed and resumed; session b: the same system
     prompt, one turn, one response cancelled at once, one bad frame. Returns (responses, per-session stats)."""
@@ -64,7 +57,7 @@ async def workload(url):
     responses.append((await b.until("response.done"))[-1]["response"])
     await b.ws.send("{not json")
     assert (await b.recv())["error"]["code"] == "invalid_json"
-    figures = [await stats(a), await stats(b)]
+    figures = [await settled_stats(a), await settled_stats(b)]
     sid, token = a.created["session"]["id"], a.created["session"]["resume_token"]
     await a.close()
     again = await Client.open(url)

@@ -4,7 +4,7 @@ import asyncio
 import signal
 
 import pytest
-from conftest import Client, Daemon
+from conftest import Client, Daemon, settled_stats
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +40,8 @@ async def reply(c, text=None, **response):
 
 
 async def session_figures(c):
-    """The session's own figures from streamchat.session.stats (not the pool's, which others change)."""
-    await c.send({"type": "streamchat.session.stats"})
-    stats = await c.recv()
-    assert stats["type"] == "streamchat.session.stats", stats
+    """The session's own figures from its settled stats (not the pool's, which others change)."""
+    stats = await settled_stats(c)
     return {k: stats[k] for k in ("context_tokens", "total_tokens", "evicted_tokens", "items", "queued_tokens",
                                   "kv_bytes")} | {"owned": stats["blocks"]["owned"]}
 
