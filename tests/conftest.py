@@ -1,10 +1,26 @@
 """Shared fixtures: the bundled model loaded once, a tiny random Llama with GQA, a PostgreSQL cluster."""
 
 import os
+import shutil
+import subprocess
+import sys
 
-# Triton kernels run on CPU tensors through the interpreter; it must be set
-# before anything imports triton.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+
+def _cuda_device() -> bool:
+    """Whether torch sees a CUDA device. Asked in a subprocess, and only where nvidia-smi exists (a CPU machine
+    pays nothing): this process initialises no CUDA, and the daemons and engine cores the tests start fork."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True, timeout=120)
+    return probe.stdout.strip() == "True"
+
+
+# With no CUDA device, Triton kernels run on CPU tensors through the interpreter; with one, the real
+# compiled path runs (the `gpu` tests and the kernel tests on the device). Set before anything imports
+# triton; a TRITON_INTERPRET given by the caller wins.
+CUDA_DEVICE = _cuda_device()
+os.environ.setdefault("TRITON_INTERPRET", "0" if CUDA_DEVICE else "1")
 
 import pytest  # noqa: E402
 
@@ -50,11 +66,9 @@ def pg_url(pg_cluster) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    import shutil
-
-    if shutil.which("nvidia-smi"):
+    if CUDA_DEVICE:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = pytest.mark.skip(reason="no CUDA device (torch sees none): the gpu tests need one")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

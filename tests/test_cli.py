@@ -1,5 +1,6 @@
 """Tests for the command line and settings: bad input gets one clear line, never a traceback."""
 
+import dataclasses
 import json
 import os
 
@@ -120,13 +121,46 @@ def test_generate_prints_a_reply(capsys):
     assert "Paris" in capsys.readouterr().out
 
 
-def test_generate_takes_every_sampling_flag(capsys):
-    """Every sampling flag is accepted, and the reply is printed."""
-    argv = ["generate", "What is the capital of France?", "--max-tokens", "12", "--dtype", "float32",
-            "--temperature", "0", "--top-p", "0.9", "--top-k", "40", "--min-p", "0.05", "--seed", "1",
-            "--frequency-penalty", "0.2", "--presence-penalty", "0.1", "--repetition-penalty", "1.1"]
+class FakeLLM:
+    """Stands in for streamchat.llm.LLM: serves `default_params` and records what generate asks of it."""
+
+    calls = []
+
+    def __init__(self, config):
+        from streamchat.model.sampling_params import SamplingParams
+
+        self.default_params = SamplingParams(temperature=0.3, top_p=0.8, repetition_penalty=1.05)
+
+    def chat(self, prompts, max_tokens, system, params):
+        from types import SimpleNamespace
+
+        FakeLLM.calls.append((prompts, max_tokens, system, params))
+        return [SimpleNamespace(text="the reply")]
+
+
+def test_generate_hands_every_sampling_flag_to_the_model(capsys, monkeypatch):
+    """Each sampling flag reaches the reply's SamplingParams with its value, and an unset one keeps the
+    model's default (the sampler itself is tested in tests/model; the real model prints in the test above)."""
+    import streamchat.llm
+    from streamchat.model.sampling_params import SamplingParams
+
+    monkeypatch.setattr(streamchat.llm, "LLM", FakeLLM)
+    monkeypatch.setattr(FakeLLM, "calls", [])
+    base = ["generate", "Hi?", "--max-tokens", "7", "--system", "Be brief."]
+    flags = {"--temperature": ("temperature", 1.7), "--top-p": ("top_p", 0.5), "--top-k": ("top_k", 40),
+             "--min-p": ("min_p", 0.05), "--seed": ("seed", 11), "--frequency-penalty": ("frequency_penalty", 0.2),
+             "--presence-penalty": ("presence_penalty", -0.4), "--repetition-penalty": ("repetition_penalty", 1.3)}
+    model_defaults = FakeLLM(None).default_params
+    for flag, (name, value) in flags.items():
+        assert main([*base, flag, str(value)]) == 0
+        assert capsys.readouterr().out == "the reply\n"
+        prompts, max_tokens, system, params = FakeLLM.calls.pop()
+        assert (prompts, max_tokens, system) == (["Hi?"], 7, "Be brief.")
+        assert params == dataclasses.replace(model_defaults, **{name: value}), flag
+    argv = [*base] + [str(x) for flag, (_, value) in flags.items() for x in (flag, value)]
     assert main(argv) == 0
-    assert capsys.readouterr().out.strip()
+    assert FakeLLM.calls.pop()[3] == SamplingParams(**{name: value for name, value in flags.values()})
+    assert main(base) == 0 and FakeLLM.calls.pop()[3] == model_defaults
 
 
 def test_served_model_name_is_repeatable_and_comma_separated():

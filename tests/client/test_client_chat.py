@@ -4,6 +4,7 @@ import asyncio
 import io
 import os
 import signal
+import time
 
 from client_fake_daemon import FakeDaemon
 
@@ -166,9 +167,12 @@ def test_ctrl_c_during_a_reply_cancels_it_and_keeps_the_partial_text(tmp_path):
     out = io.StringIO()
 
     async def main():
-        async with FakeDaemon(reply=["one ", "two ", "three ", "four"], delta_delay_s=0.2) as daemon:
+        # after each delta the fake waits up to 30 s for a cancel: the SIGINT lands after "one" whatever the load
+        async with FakeDaemon(reply=["one ", "two ", "three ", "four"], delta_delay_s=30) as daemon:
             async def interrupt_soon():
+                deadline = time.monotonic() + 30
                 while "one" not in out.getvalue():
+                    assert time.monotonic() < deadline, "the first delta was never printed"
                     await asyncio.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGINT)
 

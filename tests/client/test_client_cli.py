@@ -94,7 +94,8 @@ def test_bad_flags_give_argparse_errors(env, argv, error):
 def test_chat_in_a_pty(env, tmp_path):
     """In a terminal: a reply streams as Markdown, Ctrl-C cancels it, Ctrl-C at the prompt hints, /bye leaves."""
     env = {**env, "TERM": "xterm-256color", "PROMPT_TOOLKIT_NO_CPR": "1"}
-    with ThreadedDaemon(reply=["**one** ", "two ", "three ", "four"], delta_delay_s=0.2) as daemon:
+    # after each delta the fake waits up to 30 s for a cancel, so Ctrl-C lands mid-reply whatever the load
+    with ThreadedDaemon(reply=["**one** ", "two ", "three ", "four"], delta_delay_s=30) as daemon:
         child = pexpect.spawn(sys.executable, ["-m", "streamchat.client", "chat", daemon.url],
                               env=env, timeout=10, encoding="utf-8", dimensions=(24, 80))
         try:

@@ -1,6 +1,7 @@
 """Tests for the engine boundary: typed commands, supervised steps, limits, turn-only instructions."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -119,7 +120,9 @@ def test_the_core_gives_up_after_failed_steps_in_a_row(bundled_fp32):
         stream = client.open_stream("r", "s")
         await client.submit(api.StartResponse("s", "r", SamplingParams(), 8))
         outs = [await asyncio.wait_for(stream.get(), 60)]
+        deadline = time.monotonic() + 60
         while not reasons:
+            assert time.monotonic() < deadline, "the core never gave up"
             await asyncio.sleep(0.05)
         with pytest.raises(EngineError) as err:
             await client.submit(api.GetStats("s"))
@@ -132,22 +135,29 @@ def test_the_core_gives_up_after_failed_steps_in_a_row(bundled_fp32):
 
 
 class SlowRunner(FailingRunner):
+    """Each step takes 1.5 s more; `stepping` is set once a step has begun."""
+
+    def __init__(self, runner):
+        super().__init__(runner)
+        self.stepping = threading.Event()
+
     def execute(self, batch):
-        time.sleep(1.5)
+        self.stepping.set()
+        time.sleep(1.5)  # a slow step, not a wait
         return super().execute(batch)
 
 
 def test_a_command_not_taken_in_time_never_runs(bundled_fp32):
     """A deadline passes while the core is inside a step: engine_unavailable, and the command is dropped."""
     llm = make_llm(bundled_fp32, max_tokens_per_step=16)
-    llm.engine.runner = SlowRunner(llm.engine.runner)
+    slow = llm.engine.runner = SlowRunner(llm.engine.runner)
 
     async def go():
         client = client_for(llm)
         await client.start()
         chat = client.tokenizer.chat
         await client.submit(api.OpenSession("busy", tuple(chat.system_prefix("You are terse. " * 8))))
-        await asyncio.sleep(0.2)  # its prefill runs: a step of 16 tokens takes 1.5 s
+        assert await asyncio.to_thread(slow.stepping.wait, 60), "its prefill never began"  # a step: 1.5 s
         with pytest.raises(EngineError) as err:
             await client.submit(api.OpenSession("late"), timeout_s=0.3)
         await client.submit(api.OpenSession("other"))  # the core serves on
@@ -214,8 +224,10 @@ def test_turn_instructions_leave_the_context_when_the_response_ends(bundled_fp32
     rebuilt = list(eng.sessions["t"].seq.token_ids)
     system = eng.chat.message("system", "Answer in French.")
     assert all(live[i:i + len(system)] != system for i in range(len(live)))
-    if eng.chat.encode(text) == list(fin.token_ids):  # the reply's tokens re-encode the same
-        assert live == rebuilt
+    # the rebuild re-encodes the reply's text: the comparison means something only when that gives the
+    # same tokens, which holds for this short greedy reply (and must keep holding for the test to count)
+    assert eng.chat.encode(text) == list(fin.token_ids), (text, fin.token_ids)
+    assert live == rebuilt
 
 
 def test_instructions_past_the_limit_or_the_pool_are_refused_and_change_nothing(bundled_fp32):

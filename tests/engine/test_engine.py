@@ -133,7 +133,7 @@ def test_cancel_and_close_return_blocks_and_engine_keeps_serving(bundled_fp32):
     assert finished[0].response_id == "rb" and finished[0].status == "incomplete"
     eng.close_session("a")
     eng.close_session("b")
-    assert eng.pool.num_used == 0 or eng.pool.num_used == eng.pool.num_used - eng.pool.num_cached_free
+    assert eng.pool.num_used == 0, "closed sessions hold no block (cached ones are free)"
     assert all(c == 0 for c in eng.pool.ref_counts)
     eng.check()
 
@@ -191,12 +191,17 @@ def test_stop_strings_and_deltas_concatenate(bundled_fp32):
 
 
 def test_seeded_sampling_is_reproducible(bundled_fp32):
-    """The same seed gives the same sampled tokens; another seed (very likely) differs."""
+    """The same seed gives the same sampled tokens; another seed gives other tokens (checked once for
+    these seeds: the draw is deterministic, so this cannot flake)."""
+    import dataclasses
+
     llm = make_llm(bundled_fp32)
     p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7)
     a = llm.chat(["Tell me a story."], max_tokens=16, params=p)[0].token_ids
     b = llm.chat(["Tell me a story."], max_tokens=16, params=p)[0].token_ids
+    c = llm.chat(["Tell me a story."], max_tokens=16, params=dataclasses.replace(p, seed=8))[0].token_ids
     assert a == b
+    assert c != a, "another seed drew the same 16 tokens: the seed is not used"
 
 
 def test_penalized_rows_get_their_history_and_others_none(bundled_fp32, monkeypatch):

@@ -18,7 +18,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else
 def needs_gpu(test):
     """Full sizes: a CUDA GPU with compiled (not interpreted) kernels: TRITON_INTERPRET=0 pytest -m gpu."""
     skip = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
-                              reason="full sizes need a CUDA GPU and TRITON_INTERPRET=0")
+                              reason="full sizes run compiled: " + (
+                                  "no CUDA device" if not torch.cuda.is_available() else "TRITON_INTERPRET=1 was set"))
     return pytest.mark.gpu(skip(test))
 
 

@@ -53,3 +53,34 @@ def test_no_compiler_skips_and_says_so(monkeypatch):
     exc = outcome_of(require_kernels)
     assert isinstance(exc, pytest.skip.Exception), f"expected a skip, got {exc!r}"
     assert "no C compiler ('streamchat-no-such-compiler' is not on PATH)" in str(exc)
+
+
+# One constant of cpu_decode.c changed: the weight of the second of each pair of value rows of a float pool
+# is scaled by 1.001 instead of 1. A test that cannot see a 0.1% error in one row of two would pass it.
+WRONG_CONSTANT = ("s1 = a->vs ? a->vs[r1] : 1.0f", "s1 = a->vs ? a->vs[r1] : 1.001f")
+
+
+def test_a_kernel_with_one_wrong_constant_fails_the_reference_comparison(tmp_path, monkeypatch):
+    """cpu_decode.c built from a copy with one constant changed fails the comparison test_cpu_decode.py makes
+    (kernel against the torch reference, its tolerance), which the real kernel passes on the same case."""
+    import torch
+    from test_cpu_decode import assert_close, case  # tests/kernels is on sys.path
+    from test_kernel_attention import Pool
+
+    require_kernels()  # the real kernel (a machine without a compiler skips here, saying so)
+    source = cpu_build.SOURCES[0]
+    assert source.name == "cpu_decode.c" and source.read_text().count(WRONG_CONSTANT[0]) == 1
+    wrong = tmp_path / "cpu_decode.c"
+    wrong.write_text(source.read_text().replace(*WRONG_CONSTANT))
+    monkeypatch.setenv("STREAMCHAT_KERNEL_CACHE", str(tmp_path / "kernels"))
+    wrong_lib = require_kernels([wrong])
+
+    pool = Pool([1, 37, 70, cpu.RUN_TOKENS * 2 + 5], num_kv_heads=2, head_dim=64, block_size=16,
+                dtype=torch.float32)
+    out, ref, _, _ = case(pool, 6, 64)
+    assert_close(out, ref)
+    monkeypatch.setattr(cpu, "_lib", wrong_lib)
+    monkeypatch.setattr(cpu, "_tried", True)
+    out, ref, _, _ = case(pool, 6, 64)
+    with pytest.raises(AssertionError, match="not close"):
+        assert_close(out, ref)

@@ -91,7 +91,8 @@ def test_a_folder_others_may_write_is_refused_and_nothing_loaded(cache, caplog, 
             "set STREAMCHAT_KERNEL_CACHE") in caplog.text
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: nothing is built")
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
+                    reason=f"no C compiler ({os.environ.get('CC', 'cc')!r} is not on PATH): nothing is built")
 def test_a_rebuilt_library_loads_and_runs(tmp_path, monkeypatch):
     """A fresh private build over a spoiled file is what library() loads, and it computes."""
     built = cpu.library()._name  # this machine's real build (in the default cache)

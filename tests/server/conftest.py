@@ -110,9 +110,46 @@ class Client:
         await self.ws.close()
 
 
+async def settled_stats(c, timeout=30.0):
+    """The session's streamchat.session.stats once none of its tokens waits to enter the cache: a reply's
+    close (its last token, <|im_end|>, a newline) is still queued when response.done is sent."""
+    deadline = time.monotonic() + timeout
+    while True:
+        await c.send({"type": "streamchat.session.stats"})
+        stats = await c.recv()
+        assert stats["type"] == "streamchat.session.stats", stats
+        if stats["queued_tokens"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"the session's queued tokens never entered the cache: {stats}"
+        await asyncio.sleep(0.05)
+
+
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory):
     """One daemon shared by the server tests that need no special flags."""
     d = Daemon(tmp_path_factory.mktemp("db") / "s.db").start()
     yield d
     d.stop()
+
+
+@pytest.fixture(scope="session")
+def counted_daemon(tmp_path_factory):
+    """A daemon for the tests that read its global figures (/metrics counters, /healthz blocks and sessions):
+    no other module uses it, its tests run one after another and each compares figures taken before and
+    after its own work, waiting (with a deadline) until the daemon has settled. A 64-token window, so a
+    short chat evicts."""
+    d = Daemon(tmp_path_factory.mktemp("counted") / "c.db", "--window-tokens", "64").start()
+    yield d
+    d.stop()
+
+
+def wait_for(condition, what, timeout=20.0, interval=0.05):
+    """Poll `condition()` until it returns a true value, which is returned; fail naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up after {timeout:.0f} s waiting for {what} (last: {value!r})")
+        time.sleep(interval)

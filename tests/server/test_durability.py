@@ -5,7 +5,7 @@ import signal
 import time
 
 import pytest
-from conftest import Client, Daemon
+from conftest import Client, Daemon, wait_for
 
 from streamchat.store import Store
 
@@ -18,6 +18,13 @@ STORY = "Tell me a very long story, in many chapters, about the ship that sails 
 def user_item(text):
     return {"type": "conversation.item.create",
             "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}
+
+
+def reply_status(daemon, session_id):
+    """The status of the session's second stored item (its first reply), or None before it is stored."""
+    with Store(f"sqlite:///{daemon.db_path}") as store:
+        items = store.items(session_id)
+    return items[1].status if len(items) > 1 else None
 
 
 def test_kill9_during_response_and_append_then_resume_from_transcript(tmp_path):
@@ -96,7 +103,8 @@ def test_disconnect_mid_response_stores_incomplete_and_resumes_from_memory(daemo
         await c.send({"type": "response.create", "response": {"max_output_tokens": 200}})
         await c.until("response.output_text.delta")
         await c.close()
-        await asyncio.sleep(1.0)
+        await asyncio.to_thread(wait_for, lambda: reply_status(daemon, sid) == "incomplete",
+                                "the cut reply stored incomplete")
         c2 = await Client.open(daemon.url)
         await c2.send({"type": "streamchat.session.resume", "session_id": sid, "resume_token": token})
         resumed = await c2.recv()

@@ -7,7 +7,7 @@ import urllib.request
 
 import orjson
 import pytest
-from conftest import Client
+from conftest import Client, settled_stats, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -51,15 +51,18 @@ def bad_frame(rng: random.Random):
         "invalid_event", "invalid_json", "message_too_large", "session_not_found", "response_cancel_not_active"}
 
 
-def free_blocks(daemon):
+def health(daemon):
     with urllib.request.urlopen(daemon.http + "/healthz", timeout=10) as r:
-        return orjson.loads(r.read())["kv_blocks"]["free"]
+        return orjson.loads(r.read())
 
 
-def test_two_thousand_bad_frames_each_get_an_error_and_nothing_leaks(daemon):
-    """Each of 2,000 generated bad frames gets exactly one fitting `error`; a healthy session still chats."""
+def test_two_thousand_bad_frames_each_get_an_error_and_nothing_leaks(counted_daemon):
+    """Each of 2,000 generated bad frames gets exactly one fitting `error`; a healthy session still chats; the
+    fuzzed session put nothing in the cache and is gone once closed, and the blocks held afterwards are
+    exactly the healthy session's (a daemon of its own: no other test's sessions move these figures)."""
+    daemon = counted_daemon
     rng = random.Random(1234)
-    before = free_blocks(daemon)
+    before = health(daemon)
 
     async def go():
         bad = await Client.open(daemon.url)
@@ -78,11 +81,18 @@ def test_two_thousand_bad_frames_each_get_an_error_and_nothing_leaks(daemon):
         await good.until("conversation.item.done")
         await good.send({"type": "response.create", "response": {"max_output_tokens": 8}})
         assert (await good.until("response.done"))[-1]["response"]["status"] in ("completed", "incomplete")
+        stats = [await settled_stats(bad), await settled_stats(good)]
         await bad.close()
         await good.close()
+        return stats
 
-    asyncio.run(go())
-    asyncio.run(asyncio.sleep(0.5))
-    # the good session was stored and stays resident (by policy); the fuzzed one never was and is gone
-    after = free_blocks(daemon)
-    assert before - after <= 4, f"{before - after} blocks held after the fuzzed session closed"
+    bad_stats, good_stats = asyncio.run(go())
+    assert (bad_stats["context_tokens"], bad_stats["items"], bad_stats["queued_tokens"], bad_stats["kv_bytes"],
+            bad_stats["blocks"]["owned"], bad_stats["blocks"]["shared"]) == (0, 0, 0, 0, 0, 0), bad_stats
+    # the healthy session was stored and stays resident (by policy); the fuzzed one never was and leaves
+    settled = before["sessions_in_engine"] + 1
+    after = wait_for(lambda: (h := health(daemon))["connections"] == 0 and h["sessions_in_engine"] == settled and h,
+                     f"both connections closed and {settled} sessions in the engine")
+    assert after["sessions"] == before["sessions"] + 1, (before, after)
+    held = good_stats["blocks"]["owned"] + good_stats["blocks"]["shared"]
+    assert before["kv_blocks"]["free"] - after["kv_blocks"]["free"] == held, (before, after, good_stats)

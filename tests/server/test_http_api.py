@@ -122,15 +122,44 @@ def test_a_chat_longer_than_the_window_is_served(api_daemon):
 
 
 def test_keep_alive_serves_requests_one_after_another(api_daemon):
-    """Two requests on one connection, a stop string that ends the reply, every sampling field accepted."""
+    """Two requests on one connection: the second is answered like one on a fresh connection."""
     conn = http.client.HTTPConnection("127.0.0.1", api_daemon.port, timeout=120)
     first = request(api_daemon, "GET", "/v1/models", conn=conn)
-    second = request(api_daemon, "POST", "/v1/chat/completions", chat(
-        "Count: 1, 2, 3, 4", stop=["5"], seed=7, temperature=0.7, top_p=0.9, top_k=40, frequency_penalty=0.5,
-        presence_penalty=0.5, repetition_penalty=1.2, min_p=0.05), conn=conn)
+    second = request(api_daemon, "POST", "/v1/chat/completions", {**chat(REPEAT, temperature=0), "max_tokens": 12},
+                     conn=conn)
     conn.close()
     assert first[0] == 200 and second[0] == 200, second
-    assert "5" not in second[2]["choices"][0]["message"]["content"]
+    assert second[2]["choices"][0]["message"]["content"] == reply(api_daemon, temperature=0)[0]
+
+
+# A prompt whose 12-token greedy reply repeats a word, so each penalty below changes it (checked once).
+REPEAT = "Count from 1 to 20, separated by commas."
+HOT = {"temperature": 1.5, "seed": 1}  # far from greedy, and reproducible
+
+
+def reply(d, **fields):
+    """(text, finish_reason) of a 12-token chat completion of REPEAT with these fields."""
+    status, _, body = request(d, "POST", "/v1/chat/completions", {**chat(REPEAT, **fields), "max_tokens": 12})
+    assert status == 200, body
+    return body["choices"][0]["message"]["content"], body["choices"][0]["finish_reason"]
+
+
+def test_every_sampling_field_is_honoured(api_daemon):
+    """Each sampling field changes the reply against a control request, or does exactly what it says:
+    top_k 1, a tiny top_p and min_p 1 make a hot draw greedy; the seed reproduces a draw; each penalty
+    changes a greedy reply of repeats; a stop string cuts the reply before it."""
+    greedy, _ = reply(api_daemon, temperature=0)
+    hot, _ = reply(api_daemon, **HOT)
+    assert hot != greedy, "temperature 1.5 drew the greedy reply"
+    assert reply(api_daemon, **HOT)[0] == hot, "the same seed drew another reply"
+    assert reply(api_daemon, **{**HOT, "seed": 2})[0] != hot, "another seed drew the same reply"
+    for narrow in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        assert reply(api_daemon, **HOT, **narrow)[0] == greedy, narrow
+    for penalty in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 2.0}):
+        assert reply(api_daemon, temperature=0, **penalty)[0] != greedy, penalty
+    word = greedy.split()[2]
+    cut, finish = reply(api_daemon, temperature=0, stop=[word])
+    assert (cut, finish) == (greedy[:greedy.index(word)], "stop"), (greedy, word, cut)
 
 
 @pytest.mark.parametrize("body, param", [

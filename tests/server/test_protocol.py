@@ -121,7 +121,8 @@ def test_sdk_shaped_events_parse():
 
 def test_sdk_models_serialize_to_parseable_events():
     """Events built with the SDK's own pydantic models parse (public to_json path)."""
-    rt = pytest.importorskip("openai.types.realtime")
+    import openai.types.realtime as rt  # a test dependency: missing, the test fails rather than skips
+
     frames = [
         rt.SessionUpdateEvent(type="session.update", session=rt.RealtimeSessionCreateRequest(
             type="realtime", instructions="Be kind.", output_modalities=["text"], max_output_tokens=9)),
@@ -539,8 +540,8 @@ def test_encode_is_compact_utf8_json_text():
 
 def test_server_events_validate_against_the_openai_sdk_models():
     """The GA SDK's own models accept every server event (session truncation aside)."""
-    pydantic = pytest.importorskip("pydantic")
-    rt = pytest.importorskip("openai.types.realtime")
+    import openai.types.realtime as rt  # a test dependency: missing, the test fails rather than skips
+    import pydantic
     adapter = pydantic.TypeAdapter(rt.RealtimeServerEvent)
     session = make_session()
     del session["truncation"]  # streamchat.sink_window is our extension; the SDK parses it unchecked

@@ -4,7 +4,7 @@ import asyncio
 import signal
 
 import pytest
-from conftest import Client, Daemon
+from conftest import Client, Daemon, settled_stats
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +39,13 @@ async def reply(c, text=None, **response):
     return done["output"][0]["content"][0]["text"]
 
 
+async def session_figures(c):
+    """The session's own figures from its settled stats (not the pool's, which others change)."""
+    stats = await settled_stats(c)
+    return {k: stats[k] for k in ("context_tokens", "total_tokens", "evicted_tokens", "items", "queued_tokens",
+                                  "kv_bytes")} | {"owned": stats["blocks"]["owned"]}
+
+
 def test_session_defaults_show_apply_and_refuse_bad_values(daemon):
     """session.created shows the model's defaults; session.update's sampling fields show in session.updated,
     apply to later responses (a response's own field still wins), and a bad value is invalid_event."""
@@ -56,13 +63,14 @@ def test_session_defaults_show_apply_and_refuse_bad_values(daemon):
         assert await reply(ref, "And two vegetables?", **PLAIN_GREEDY) == overridden
         assert hot != await reply(ref, QUESTION, **PLAIN_GREEDY)
 
+        own = await session_figures(c)
         for bad, field in (({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
                            ({"frequency_penalty": -3}, "frequency_penalty"), ({"top_k": 1.5}, "top_k")):
             error = await update(c, **bad)
             assert error["type"] == "error" and error["error"]["code"] == "invalid_event", error
             assert field in error["error"]["message"]
-        await c.send({"type": "streamchat.session.stats"})  # the refused updates changed nothing
-        await update(c, instructions="")
+        assert await session_figures(c) == own  # the refused updates changed nothing
+        assert (await update(c, instructions=""))["type"] == "session.updated"
         last = await update(c)
         assert sampling(last["session"]) == sampling(updated["session"])
         await c.close()

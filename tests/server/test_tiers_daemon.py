@@ -114,7 +114,8 @@ def test_kill9_after_a_checkpoint_resumes_from_disk_and_bad_files_fall_back(tmp_
         await turn(x, TURNS[0])
         await turn(z, TURNS[1])
         deadline = time.monotonic() + 30
-        while (metric(c1, "streamchat_tier_disk_writes_total") or 0) < 2 and time.monotonic() < deadline:
+        while (metric(c1, "streamchat_tier_disk_writes_total") or 0) < 2:
+            assert time.monotonic() < deadline, "the two idle sessions were not saved within 30 s"
             await asyncio.sleep(0.2)
         return ids(x), ids(z)
 
