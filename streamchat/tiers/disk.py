@@ -182,8 +182,9 @@ class DiskTier:
         with self._lock:
             job = self._pending.get(name)
             if job is not None:
-                if mark is not ANY_MARK and job.copy.mark != mark:
-                    raise KVFileError("stale", "the transcript changed after this copy was taken")
+                refusal = kvfile.mark_refusal(mark, job.copy.mark)
+                if refusal is not None:
+                    raise KVFileError("stale", refusal)
                 if job.snapshot is not None:
                     return job.snapshot
         if job is not None:  # a re-stamp on its way: the file holds the same KV under the older mark
