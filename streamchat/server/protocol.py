@@ -45,13 +45,16 @@ class ErrorCode(str, enum.Enum):
     ENGINE_UNAVAILABLE = "engine_unavailable"
     ENGINE_RESTARTING = "engine_restarting"
     INSTRUCTIONS_TOO_LONG = "instructions_too_long"
+    SESSION_LEASED = "session_leased"
+    LEASE_LOST = "lease_lost"
 
 
 ERROR_CODES: tuple[str, ...] = tuple(code.value for code in ErrorCode)
 # Codes reported with error.type "server_error"; all others are
 # "invalid_request_error".
 SERVER_ERROR_CODES: frozenset[str] = frozenset(
-    {"overloaded", "internal", "store_unavailable", "engine_unavailable", "engine_restarting"},
+    {"overloaded", "internal", "store_unavailable", "engine_unavailable", "engine_restarting", "session_leased",
+     "lease_lost"},
 )
 
 # Sampling fields a session keeps as its defaults (session.update); a
