@@ -28,7 +28,7 @@ from streamchat.server import asgi, fleet, front, web
 from streamchat.server.origins import host_allowed, is_loopback, self_origins
 from streamchat.server.asgi import HttpRequest
 from streamchat.server.openai_http import OpenAIHttp
-from streamchat.server.protocol import Limits
+from streamchat.server.protocol import Limits, ProtocolError, url_session_id
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,10 @@ class Daemon:
             return _plain(http.HTTPStatus.NOT_FOUND, "not found\n")
         if not self._authorized(request.headers):
             return _unauthorized()
+        try:
+            url_session_id(url.query, self.limits)  # a proxy routes on it; the resume event must agree
+        except ProtocolError as exc:
+            return _plain(http.HTTPStatus.BAD_REQUEST, exc.message + "\n")
         model = parse_qs(url.query).get("model", [None])[0]
         if model is not None and not self.serves_model(model):
             served = ", ".join(repr(n) for n in self.served_names)

@@ -57,6 +57,8 @@ class Connection:
         self.num_sessions = 0
         self.closing = False  # the client has gone: what it started is being wound down
         self.submit = hub.submit
+        # the session the URL names (?session_id=, checked at the handshake): a resume must name it too
+        self.url_session = p.url_session_id(getattr(websocket, "query_string", ""), limits)
 
     async def run(self) -> None:
         writer = self.writer = asyncio.create_task(self.outbox.run(self.ws))
@@ -135,6 +137,9 @@ class Connection:
                               "cannot switch sessions while a response runs")
         if self.num_sessions >= self.cfg.max_sessions_per_connection:
             raise EngineError("invalid_event", "too many sessions on this connection")
+        if self.url_session is not None and e.session_id != self.url_session:
+            raise EngineError("invalid_event", f"session_id {e.session_id!r} is not the session the URL names "
+                                               f"({self.url_session!r})")
         target, restored_from = await self.hub.restore.resume(e.session_id, e.resume_token)
         old = self.session
         if old is not target:  # resuming the session it already holds attaches nothing more

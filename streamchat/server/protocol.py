@@ -295,6 +295,22 @@ def _ident(
     return value
 
 
+def url_session_id(query: str, limits: Limits) -> str | None:
+    """The session a websocket URL names (`?session_id=...`, for a proxy to route on), or None.
+
+    ProtocolError (invalid_event) if it is given twice, empty or too long; a
+    `streamchat.session.resume` on that socket must then name the same session.
+    """
+    from urllib.parse import parse_qs
+
+    values = parse_qs(query, keep_blank_values=True).get("session_id")
+    if values is None:
+        return None
+    if len(values) != 1:
+        raise ProtocolError(_INVALID, "the URL names session_id more than once")
+    return _ident({"session_id": values[0]}, "session_id", "the URL's ", limits, required=True)
+
+
 def _max_tokens(obj: dict[str, Any], where: str, limits: Limits) -> MaxTokens | None:
     value = obj.get("max_output_tokens")
     if value is None or value == "inf":

@@ -167,6 +167,17 @@ def test_error_codes_are_the_spec_codes():
                                   "engine_restarting", "session_leased", "lease_lost"}
 
 
+def test_url_session_id():
+    """The URL's session_id (a proxy routes on it): absent, one valid id, or invalid_event."""
+    limits = Limits(max_event_id_chars=8)
+    assert protocol.url_session_id("model=m", limits) is None
+    assert protocol.url_session_id("model=m&session_id=sess_1", limits) == "sess_1"
+    for query in ("session_id=", "session_id=a&session_id=a", "session_id=" + "x" * 9):
+        with pytest.raises(ProtocolError) as err:
+            protocol.url_session_id(query, limits)
+        assert err.value.code == "invalid_event"
+
+
 def test_protocol_error_fields_and_unknown_code():
     """ProtocolError stores a plain-str code; a code outside the spec is a ValueError."""
     exc = ProtocolError(ErrorCode.SESSION_NOT_FOUND, "no such session", "e9")
