@@ -271,6 +271,7 @@ class Restorer:
                     continue
                 if await hub.submit(api.Release(s.id, mark)):
                     del hub.sessions[s.id]
+                    await hub.fleet.release(s.id)  # after its save was queued (written moments later)
                     released += 1
         if released:
             log.info("%d idle sessions left memory; %d remain", released, len(hub.sessions))
