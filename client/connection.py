@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass
 from typing import Iterator
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
@@ -178,7 +178,7 @@ async def open_connection(endpoint: Endpoint, resume: tuple[str, str] | None = N
 
 async def _open_once(endpoint: Endpoint, resume: tuple[str, str] | None,
                      retry: RetryPolicy) -> Connection:
-    ws = await _handshake(endpoint)
+    ws = await _handshake(endpoint, resume[0] if resume else None)
     try:
         return await asyncio.wait_for(_attach(ws, endpoint, resume, retry),
                                       endpoint.reply_timeout_s)
@@ -214,8 +214,17 @@ async def _first_session_event(ws: ClientConnection, url: str, type_: str, sessi
         log.debug("skipped before %s: %s", type_, event.get("type"))
 
 
-async def _handshake(endpoint: Endpoint) -> ClientConnection:
-    url = endpoint.url
+def with_session_id(url: str, session_id: str | None) -> str:
+    """`url` naming the session to resume (`?session_id=`), so a proxy in front of a fleet routes it home."""
+    if session_id is None:
+        return url
+    parts = urlsplit(url)
+    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "session_id"]
+    return urlunsplit(parts._replace(query=urlencode(query + [("session_id", session_id)])))
+
+
+async def _handshake(endpoint: Endpoint, session_id: str | None = None) -> ClientConnection:
+    url = with_session_id(endpoint.url, session_id)
     headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
     extra: dict = {}
     if _HAS_PROXY_ARG and _is_loopback(url):

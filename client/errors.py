@@ -74,6 +74,6 @@ def from_error_event(error: dict, session_id: str = "") -> ClientError:
     code = str(error.get("code") or error.get("type") or "error")
     if code == "session_not_found":
         return SessionNotFound(session_id or "?")
-    if code == "overloaded":
+    if code in ("overloaded", "session_leased"):  # session_leased: another daemon's lease runs out soon
         return Overloaded()
     return ServerError(code, str(error.get("message") or ""))

@@ -71,7 +71,7 @@ def _cmd_serve(args) -> int:
     from streamchat.server.app import run
 
     config = settings.load(args)  # a bad setting fails before any log line
-    logs.setup(args.log_level, args.log_format)
+    logs.setup(args.log_level, args.log_format, fields={"daemon_id": config.fleet.daemon_id})
     return run(config, args.log_level, args.log_format)
 
 

@@ -39,12 +39,31 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(doc, default=str).decode()
 
 
-def setup(level: str = "INFO", fmt: str = "text", stream=None) -> None:
-    """Configure the root logger once for the process (replacing any handler it had)."""
+class _Fields(logging.Filter):
+    """Adds the same fields to every record the handler sees (a record's own `extra=` wins)."""
+
+    def __init__(self, fields: dict) -> None:
+        super().__init__()
+        self.fields = fields
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for name, value in self.fields.items():
+            if not hasattr(record, name):
+                setattr(record, name, value)
+        return True
+
+
+def setup(level: str = "INFO", fmt: str = "text", stream=None, fields: dict | None = None) -> None:
+    """Configure the root logger once for the process (replacing any handler it had).
+
+    `fields` ride on every record (the daemon's id in a fleet): keys of each JSON line.
+    """
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}; got {fmt!r}")
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    if fields:
+        handler.addFilter(_Fields(dict(fields)))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

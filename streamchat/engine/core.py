@@ -40,7 +40,7 @@ def main(config, addresses: tuple[str, str], parent_pid: int, log_level: str, lo
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front, which stops us in order
     from streamchat import logs
 
-    logs.setup(log_level, log_format)
+    logs.setup(log_level, log_format, fields={"daemon_id": config.fleet.daemon_id})
     core = EngineCore(config, addresses)
     sys.exit(core.run())
 

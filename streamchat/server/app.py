@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import http
-import ipaddress
 import logging
 import signal
 import time
@@ -25,10 +24,11 @@ from websockets.datastructures import Headers
 from websockets.http11 import Response
 
 from streamchat.config import Config, omp_wait_defaults
-from streamchat.server import asgi, front, web
+from streamchat.server import asgi, fleet, front, web
+from streamchat.server.origins import host_allowed, is_loopback, self_origins
 from streamchat.server.asgi import HttpRequest
 from streamchat.server.openai_http import OpenAIHttp
-from streamchat.server.protocol import Limits
+from streamchat.server.protocol import Limits, ProtocolError, url_session_id
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class Daemon:
             await asyncio.gather(core, return_exceptions=True)
             raise
         self.store = AsyncStore(store)
+        self.fleet = fleet.Fleet(self.store, cfg.fleet)
         info = await core
         self.model_name = info.model_name
         names = cfg.server.served_model_name
@@ -81,11 +82,13 @@ class Daemon:
         self.any_model_name = "*" in names
         self.metrics = DaemonMetrics(self.aengine)
         self.hub = Hub(self.aengine, self.store, self.served_names[0], cfg.cache,
-                       load_model_defaults(info.model_folder))
+                       load_model_defaults(info.model_folder), self.fleet)
         s = cfg.server
         self.limits = Limits(max_text_chars=s.max_text_chars, max_output_tokens=s.max_output_tokens)
         self.server = await front.listen(self, s, self.gate)
         self.port = self.server.sockets[0].getsockname()[1]
+        fleet.wire(self)
+        await self.fleet.start(f"{s.host}:{self.port}")  # registered, heartbeating; sessions leased as they come
         self._log_ready(info)
         restore = self.hub.restore
         if info.snapshot.tiers["disk"] is not None and cfg.tiers.checkpoint_idle_s:
@@ -112,7 +115,7 @@ class Daemon:
             "host_tier": f"{host['blocks_total']} blocks" if host else "off",
             "disk_tier": f"{disk['root']} (budget {cfg.tiers.disk_tier_gib:g} GiB)" if disk else "off",
             "data_dir": str(info.data_dir), "store": make_url(cfg.store.url).render_as_string(hide_password=True),
-            "sampling": self.hub.session_sampling(),
+            "sampling": self.hub.session_sampling(), "daemon_id": self.fleet.id,
         }
         f = fields
         names = ", ".join(self.served_names) + (", any name (*)" if self.any_model_name else "")
@@ -127,6 +130,8 @@ class Daemon:
             "tiers": f"host {f['host_tier']}, disk {f['disk_tier']}",
             "data": f"store {f['store']}, saved sessions in {f['data_dir']}",
             "sampling": f"{sampling} (when a request and its session set none)",
+            "fleet": f"daemon {self.fleet.id}; session leases of {cfg.fleet.lease_s:g} s, renewed every "
+                     f"{cfg.fleet.heartbeat_s:g} s",
         }
         log.info(block(f"streamchat ready on {f['address']}", rows), extra=fields)
 
@@ -207,6 +212,10 @@ class Daemon:
             return _plain(http.HTTPStatus.NOT_FOUND, "not found\n")
         if not self._authorized(request.headers):
             return _unauthorized()
+        try:
+            url_session_id(url.query, self.limits)  # a proxy routes on it; the resume event must agree
+        except ProtocolError as exc:
+            return _plain(http.HTTPStatus.BAD_REQUEST, exc.message + "\n")
         model = parse_qs(url.query).get("model", [None])[0]
         if model is not None and not self.serves_model(model):
             served = ", ".join(repr(n) for n in self.served_names)
@@ -238,14 +247,14 @@ class Daemon:
         """
         s = self.config.server
         hosts = headers.get_all("Host")
-        if (_is_loopback(s.host) or s.allowed_hosts) and not (len(hosts) == 1 and _host_allowed(hosts[0], s.allowed_hosts)):
+        if (is_loopback(s.host) or s.allowed_hosts) and not (len(hosts) == 1 and host_allowed(hosts[0], s.allowed_hosts)):
             log.info("refused a request for Host %s", hosts)
             return _plain(http.HTTPStatus.FORBIDDEN, f"Host {', '.join(hosts)!r} is not allowed; to allow it, "
                           "start the daemon with --allowed-hosts NAME\n")
         origins = headers.get_all("Origin")
         if not origins or path in ORIGIN_FREE_PATHS:
             return None
-        allowed = s.allowed_origins or _self_origins(s.host, port)
+        allowed = s.allowed_origins or self_origins(s.host, port)
         if len(origins) == 1 and (origins[0] in allowed or "*" in allowed):
             return None
         log.info("refused a request from Origin %s", origins)
@@ -274,7 +283,8 @@ class Daemon:
                   else "restarting" if self.aengine.restarting else "ok")
         tiers = snap.tiers
         info = self.aengine.info
-        return {"status": status, **({"reason": fatal} if fatal else {}), "model": self.model_name,
+        return {"status": status, **({"reason": fatal} if fatal else {}), **fleet.health(self.fleet),
+                "model": self.model_name,
                 "kv_dtype": {"dtype": info.kv_dtype, "why": info.kv_dtype_reason},
                 "engine": {"pid": info.pid, "starts": self.aengine.epoch},
                 "kv_blocks": {"free": snap.kv_blocks_free + snap.kv_blocks_cached, "total": snap.kv_blocks_total,
@@ -325,9 +335,12 @@ class Daemon:
                         await self.hub.restore.persist_all(max(0.5, deadline - time.monotonic() - 1.5))
                     except Exception:
                         log.exception("saving sessions to disk failed; they will be rebuilt from their transcripts")
+                await self.fleet.stop()  # leases end once the files are saved: another daemon may take over now
                 await self.aengine.stop(max(0.1, deadline - time.monotonic() - 1.0))
         except TimeoutError:
             log.warning("shutdown passed its %g s deadline; leaving what still runs", timeout)
+        if not self.fleet.stopped:
+            await asyncio.wait([asyncio.ensure_future(self.fleet.stop())], timeout=max(0.5, deadline - time.monotonic()))
         await self.aengine.aclose()
         try:
             await asyncio.wait_for(self.store.aclose(), max(0.5, deadline - time.monotonic()))
@@ -372,31 +385,6 @@ def run(config: Config, log_level: str = "INFO", log_format: str = "text") -> in
     # they wait; on a few cores that starves the front: passive waiting after a short spin.
     omp_wait_defaults()
     return asyncio.run(_serve(config, log_level, log_format))
-
-
-def _is_loopback(name: str) -> bool:
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
-def _host_allowed(host: str, allowed_hosts: tuple[str, ...]) -> bool:
-    """Whether a Host header (`name[:port]`, `[v6][:port]`) names loopback or an allowed host."""
-    host = host.lower()
-    name = host[1:].partition("]")[0] if host.startswith("[") else host.partition(":")[0]
-    return _is_loopback(name) or name in (h.lower() for h in allowed_hosts)
-
-
-def _self_origins(bind_host: str, port: int) -> set[str]:
-    """The Origin of pages the daemon serves itself, as browsers write it (no :80 for port 80)."""
-    names = {"127.0.0.1", "localhost", "[::1]"}
-    if bind_host:  # "" binds every interface and names none
-        names.add(f"[{bind_host}]" if ":" in bind_host else bind_host.lower())
-    suffix = "" if port == 80 else f":{port}"
-    return {f"http://{name}{suffix}" for name in names}
 
 
 def _plain(status: http.HTTPStatus, text: str, headers: dict | None = None) -> Response:

@@ -264,6 +264,7 @@ class AsgiWebSocket:
         self._abort = scope["extensions"][ABORT]
         self.send_timeout_s = send_timeout_s
         self.remote_address = scope.get("client")
+        self.query_string = scope.get("query_string", b"").decode("latin-1")
         self.close_code: int | None = None
 
     async def __aiter__(self):

@@ -24,10 +24,12 @@ from streamchat.engine.api import EngineError
 from streamchat.engine.events import ResponseFinished, TextDelta
 from streamchat.server import events as ev
 from streamchat.server import protocol as p
+from streamchat.server.fleet import SessionLeased
 from streamchat.server.outbox import Outbox, SlowClient
 from streamchat.server.sessions import Hub, LiveSession, SessionNotFound
 from streamchat.server.streamed import StreamedText
 from streamchat.store import StoreError
+from streamchat.store.errors import LEASE_LOST
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ FAILURE_MESSAGES = {
     "store_unavailable": "the reply could not be stored; it is lost",
     "engine_unavailable": "the engine stopped; reconnect and resume the session",
     "engine_restarting": "the engine restarted mid-reply; the session is intact: ask again",
+    "lease_lost": "another daemon took this session over; reconnect with ?session_id= and resume it there",
 }
 
 
@@ -54,9 +57,11 @@ class Connection:
         self.num_sessions = 0
         self.closing = False  # the client has gone: what it started is being wound down
         self.submit = hub.submit
+        # the session the URL names (?session_id=, checked at the handshake): a resume must name it too
+        self.url_session = p.url_session_id(getattr(websocket, "query_string", ""), limits)
 
     async def run(self) -> None:
-        writer = asyncio.create_task(self.outbox.run(self.ws))
+        writer = self.writer = asyncio.create_task(self.outbox.run(self.ws))
         try:
             try:
                 self.session = await self.hub.create()
@@ -101,6 +106,8 @@ class Connection:
             self.error(exc.code, str(exc), event.event_id)
         except SessionNotFound:
             self.error("session_not_found", "no session with that id and token", event.event_id)
+        except SessionLeased as exc:
+            self.error(exc.code, str(exc), event.event_id)
         except Exception:
             log.exception("failed handling %s", type(event).__name__)
             self.error("internal", "the server failed on this event; nothing acknowledged was lost",
@@ -130,6 +137,9 @@ class Connection:
                               "cannot switch sessions while a response runs")
         if self.num_sessions >= self.cfg.max_sessions_per_connection:
             raise EngineError("invalid_event", "too many sessions on this connection")
+        if self.url_session is not None and e.session_id != self.url_session:
+            raise EngineError("invalid_event", f"session_id {e.session_id!r} is not the session the URL names "
+                                               f"({self.url_session!r})")
         target, restored_from = await self.hub.restore.resume(e.session_id, e.resume_token)
         old = self.session
         if old is not target:  # resuming the session it already holds attaches nothing more
@@ -276,7 +286,8 @@ class Connection:
         except StoreError as exc:
             log.error("session %s: response %s could not be stored: %s", s.id, rid, exc)
             status, reason = "failed", exc.code
-            await self.hub.restore.rebuild(s)  # the engine heard a reply the transcript lacks
+            if exc.code != LEASE_LOST:  # (a lost session is dropped here: its new holder has the transcript)
+                await self.hub.restore.rebuild(s)  # the engine heard a reply the transcript lacks
         s.ended()
         item_status = "completed" if status == "completed" else "incomplete"
         item = ev.item_object(item_id, "assistant", out.text, status=item_status)
@@ -321,6 +332,13 @@ class Connection:
                 task.cancel()
         self.outbox.close()
         await asyncio.gather(writer, return_exceptions=True)
+
+    async def lose_session(self, message: str) -> None:
+        """Another daemon took this connection's session over: say so, then close (the client resumes there)."""
+        self.error(LEASE_LOST, message)
+        self.outbox.close()  # the writer sends what is queued, this error last, then ends
+        await asyncio.wait([self.writer], timeout=2.0)
+        await self.ws.close(1013, "session moved to another daemon: reconnect and resume")
 
     async def cancel_quietly(self, s: LiveSession | None = None) -> None:
         s = s or self.session

@@ -45,13 +45,16 @@ class ErrorCode(str, enum.Enum):
     ENGINE_UNAVAILABLE = "engine_unavailable"
     ENGINE_RESTARTING = "engine_restarting"
     INSTRUCTIONS_TOO_LONG = "instructions_too_long"
+    SESSION_LEASED = "session_leased"
+    LEASE_LOST = "lease_lost"
 
 
 ERROR_CODES: tuple[str, ...] = tuple(code.value for code in ErrorCode)
 # Codes reported with error.type "server_error"; all others are
 # "invalid_request_error".
 SERVER_ERROR_CODES: frozenset[str] = frozenset(
-    {"overloaded", "internal", "store_unavailable", "engine_unavailable", "engine_restarting"},
+    {"overloaded", "internal", "store_unavailable", "engine_unavailable", "engine_restarting", "session_leased",
+     "lease_lost"},
 )
 
 # Sampling fields a session keeps as its defaults (session.update); a
@@ -290,6 +293,22 @@ def _ident(
         limit = limits.max_event_id_chars
         raise ProtocolError(_INVALID, f"{where}{key} must be a string of 1 to {limit} characters")
     return value
+
+
+def url_session_id(query: str, limits: Limits) -> str | None:
+    """The session a websocket URL names (`?session_id=...`, for a proxy to route on), or None.
+
+    ProtocolError (invalid_event) if it is given twice, empty or too long; a
+    `streamchat.session.resume` on that socket must then name the same session.
+    """
+    from urllib.parse import parse_qs
+
+    values = parse_qs(query, keep_blank_values=True).get("session_id")
+    if values is None:
+        return None
+    if len(values) != 1:
+        raise ProtocolError(_INVALID, "the URL names session_id more than once")
+    return _ident({"session_id": values[0]}, "session_id", "the URL's ", limits, required=True)
 
 
 def _max_tokens(obj: dict[str, Any], where: str, limits: Limits) -> MaxTokens | None:

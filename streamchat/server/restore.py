@@ -7,6 +7,14 @@ transcript; doing so again, lazily, for every session the front holds once
 the core has restarted (`ensure`); and the saves that make that exact:
 checkpoints of idle sessions, releasing sessions nobody holds, and saving
 all at shutdown. One restore or release of a session id at a time.
+
+In a fleet (`server.fleet`) a session comes back from the store only under
+its lease, taken before its transcript is read; a saved file is stamped
+with the lease epoch it was written under (`transcript_mark@epoch`) and is
+used only if that epoch is at least the one before this daemon's lease (the
+last holder's or newer): a file an older holder wrote after it lost the
+session is refused and the transcript rebuild applies. A session is saved
+only while its lease is confirmed.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from streamchat.engine import api
 from streamchat.model.sampling_params import resolve_params
+from streamchat.server.fleet import SessionLeased
 from streamchat.server.protocol import SESSION_SAMPLING_FIELDS
 from streamchat.store import verify_token
 
@@ -59,6 +68,10 @@ class Restorer:
     @property
     def engine(self):
         return self.hub.engine
+
+    def busy(self, session_id: str) -> bool:
+        """A restore or release of the session is under way."""
+        return session_id in self._locks
 
     @property
     def has_disk(self) -> bool:
@@ -112,7 +125,8 @@ class Restorer:
         prefix = await hub.tokens(hub.chat.system_prefix, s.instructions)
         open_item = s.open_item_id is not None
         if self.has_disk:
-            mark = transcript_mark(s.instructions, items)
+            epoch = self.hub.fleet.epoch_of(s.id) or 0
+            mark = f"{transcript_mark(s.instructions, items)}@{max(0, epoch - 1)}"  # the last holder's or newer
             reason = await hub.submit(api.RestoreSaved(s.id, prefix, mark, open_item, len(messages)))
             if reason is None:
                 log.info("session %s: KV loaded from disk", s.id)
@@ -149,6 +163,8 @@ class Restorer:
         if live is not None:
             if not (live.stored and verify_token(token, live.token_hash)):
                 raise SessionNotFound
+            if not self.hub.fleet.holds(session_id):  # lost to another daemon; being dropped here
+                raise SessionLeased(session_id, None)
             came_back = await self.ensure(live)
             if came_back is not None:
                 return live, came_back
@@ -158,8 +174,6 @@ class Restorer:
             return await self._resume_stored(session_id, token)
 
     async def _resume_stored(self, session_id: str, token: str) -> tuple[LiveSession, str]:
-        from streamchat.server.sessions import LiveSession
-
         hub = self.hub
         live = hub.sessions.get(session_id)  # resumed by another connection meanwhile
         if live is not None:
@@ -169,6 +183,19 @@ class Restorer:
         record = await hub.store.get_session(session_id)
         if record is None or not verify_token(token, record.token_hash):
             raise SessionNotFound
+        await hub.fleet.take(session_id)  # before reading: no earlier holder can write after this
+        try:
+            return await self._open_leased(session_id)
+        except BaseException:
+            await hub.fleet.release(session_id)
+            raise
+
+    async def _open_leased(self, session_id: str) -> tuple[LiveSession, str]:
+        """Open a stored session whose lease this daemon has just taken, as the store holds it now."""
+        from streamchat.server.sessions import LiveSession
+
+        hub = self.hub
+        record = await hub.store.get_session(session_id)  # again: an earlier holder may have changed it
         items = await hub.store.items(session_id)
         s = LiveSession(record.id, record.token_hash, None, record.instructions,
                         record.settings.get("max_output_tokens", "inf"), self._stored_sampling(record), stored=True)
@@ -219,7 +246,8 @@ class Restorer:
                 continue
             async with s.lock:  # no event of this session runs: the store holds all it has seen
                 if s.response_id is None and s.epoch == self.engine.epoch:
-                    saved += await hub.submit(api.Checkpoint(sid, await self.mark(s)))
+                    mark = await self.mark(s)
+                    saved += mark is not None and await hub.submit(api.Checkpoint(sid, mark))
         return saved
 
     async def release_idle(self, idle_s: float) -> int:
@@ -239,8 +267,11 @@ class Restorer:
                     released += 1
                     continue
                 mark = await self.mark(s) if self.has_disk else None
+                if self.has_disk and mark is None:  # lost to another daemon: dropped without a save
+                    continue
                 if await hub.submit(api.Release(s.id, mark)):
                     del hub.sessions[s.id]
+                    await hub.fleet.release(s.id)  # after its save was queued (written moments later)
                     released += 1
         if released:
             log.info("%d idle sessions left memory; %d remain", released, len(hub.sessions))
@@ -252,11 +283,16 @@ class Restorer:
             return 0
         hub = self.hub
         live = [s for s in list(hub.sessions.values()) if s.stored and s.epoch == self.engine.epoch]
-        marks = {s.id: await self.mark(s) for s in live}
+        marks = {s.id: mark for s in live if (mark := await self.mark(s)) is not None}
         saved = await hub.submit(api.Persist(marks, timeout_s), timeout_s=timeout_s + 5)
         log.info("saved %d of %d sessions to disk", saved, len(marks))
         return saved
 
-    async def mark(self, s: LiveSession) -> str:
+    async def mark(self, s: LiveSession) -> str | None:
+        """What a save of `s` is stamped with (`transcript_mark@lease epoch`); None once its lease is lost."""
+        fleet = self.hub.fleet
+        if not await fleet.confirm(s.id):
+            return None
         record = await self.hub.store.get_session(s.id)
-        return transcript_mark(record.instructions if record else s.instructions, await self.hub.store.items(s.id))
+        mark = transcript_mark(record.instructions if record else s.instructions, await self.hub.store.items(s.id))
+        return f"{mark}@{fleet.epoch_of(s.id) or 0}"

@@ -22,6 +22,7 @@ from streamchat.engine import api
 from streamchat.engine.api import EngineError
 from streamchat.model.sampling_params import SamplingParams, resolve_params
 from streamchat.server.events import new_id, session_object
+from streamchat.server.fleet import FencedStore, Fleet
 from streamchat.server.protocol import SESSION_SAMPLING_FIELDS
 from streamchat.server.restore import Restorer, SessionNotFound, transcript_mark, transcript_messages
 from streamchat.store import AsyncStore, hash_token, new_resume_token
@@ -65,9 +66,10 @@ class Hub:
     """Every live session, shared by all connections of the daemon."""
 
     def __init__(self, engine, store: AsyncStore, model_name: str, cache_cfg,
-                 model_defaults: SamplingParams = SamplingParams()) -> None:
+                 model_defaults: SamplingParams, fleet: Fleet) -> None:
         self.engine = engine  # a CoreClient
-        self.store = store
+        self.fleet = fleet
+        self.store = FencedStore(store, fleet)  # writes for a session carry its lease epoch
         self.model_name = model_name
         self.cache_cfg = cache_cfg
         self.model_defaults = model_defaults  # what a field neither the response nor the session sets takes

@@ -81,7 +81,7 @@ def _probe(root: Path) -> None:
     probe = root / f".probe.{secrets.token_hex(4)}.tmp"
     fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.close(fd)
-    probe.unlink()
+    probe.unlink(missing_ok=True)  # another daemon sharing the folder may have swept it
 
 
 def _lstat(path: Path) -> os.stat_result | None:

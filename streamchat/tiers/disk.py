@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 SESSION_ID = re.compile(r"sess_[0-9a-f]{32}")
 MAX_PENDING_BYTES = 1 << 30  # snapshots waiting for the writer; save() waits beyond this
 BACKGROUND_NICE = 10  # the reader's and the writer's priority (Linux nice, per thread)
+# A temp file younger than this may be another daemon's write in progress (a fleet shares the folder).
+STALE_TEMP_S = 600.0
 
 
 def file_name(session_id: str) -> str:
@@ -182,8 +184,9 @@ class DiskTier:
         with self._lock:
             job = self._pending.get(name)
             if job is not None:
-                if mark is not ANY_MARK and job.copy.mark != mark:
-                    raise KVFileError("stale", "the transcript changed after this copy was taken")
+                refusal = kvfile.mark_refusal(mark, job.copy.mark)
+                if refusal is not None:
+                    raise KVFileError("stale", refusal)
                 if job.snapshot is not None:
                     return job.snapshot
         if job is not None:  # a re-stamp on its way: the file holds the same KV under the older mark
@@ -324,8 +327,9 @@ class DiskTier:
                         continue
                     found.append((st.st_mtime, entry.name, st.st_size))
                 elif datadir.is_own_temp(entry):
-                    log.warning("removing half-written session file %s (a write was cut short)", entry.name)
-                    Path(entry.path).unlink(missing_ok=True)
+                    if _age_s(entry) > STALE_TEMP_S:
+                        log.warning("removing half-written session file %s (a write was cut short)", entry.name)
+                        Path(entry.path).unlink(missing_ok=True)
                 elif entry.name != datadir.MARKER:
                     others.append(entry.name)
         for mtime, name, size in sorted(found):
@@ -347,6 +351,13 @@ def _background() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
     except (AttributeError, OSError):  # not Linux, or not allowed: the files are still read off the loop
         pass
+
+
+def _age_s(entry: os.DirEntry) -> float:
+    try:
+        return time.time() - entry.stat(follow_symlinks=False).st_mtime
+    except OSError:
+        return 0.0
 
 
 def _set_mtime(path: Path, when: float) -> None:

@@ -218,6 +218,28 @@ def checksum(header_json: str, tensors: dict[str, torch.Tensor]) -> str:
 # -- reading ------------------------------------------------------------------------
 
 ANY_MARK = object()  # read(): accept whatever transcript mark the file has
+EPOCH_SEP = "@"  # a mark may end in @<lease epoch>: the epoch of the lease it was written under
+
+
+def mark_refusal(asked, theirs: str | None) -> str | None:
+    """Why a file stamped `theirs` must not serve a load asking for `asked`, or None if it may.
+
+    Marks compare whole, except their epochs (`transcript@epoch`, a fleet's
+    session leases): the transcripts must be equal and the file's epoch at
+    least the asked one, so a file from an older lease holder than the one
+    the load names (a daemon that paused past its lease) is refused.
+    """
+    if asked is ANY_MARK or theirs == asked:
+        return None
+    if not theirs:
+        return "written without a transcript mark"
+    ours, _, low = asked.rpartition(EPOCH_SEP)
+    file_mark, _, epoch = theirs.rpartition(EPOCH_SEP)
+    if not (ours and file_mark and low.isdigit() and epoch.isdigit()) or file_mark != ours:
+        return "the transcript changed after the file was written"
+    if int(epoch) < int(low):
+        return f"written under lease epoch {epoch}, older than {low}, the oldest this load accepts"
+    return None
 
 
 def read(path: Path, layout: KVLayout, session_id: str, mark=ANY_MARK, *, vocab_size: int) -> Snapshot:

@@ -36,7 +36,8 @@ from pathlib import Path
 
 from streamchat.config import EVICTIONS
 from streamchat.tiers import kvfile
-from streamchat.tiers.kvfile import ANY_MARK, KVFileError, KVLayout, SeqState, Snapshot, checksum, expected_tensors
+from streamchat.tiers.kvfile import (ANY_MARK, KVFileError, KVLayout, SeqState, Snapshot, checksum, expected_tensors,
+                                     mark_refusal)
 
 DTYPES = ("BF16", "F16", "F32", "I8", "U8", "F8_E4M3")  # safetensors' names of every dtype kvfile writes
 MAX_COUNT = 1 << 53  # counters beyond any real session (and beyond what JSON carries exactly)
@@ -165,9 +166,9 @@ def _check_mark(header: dict, mark) -> str | None:
     theirs = header.get("transcript_mark")
     if theirs is not None and not isinstance(theirs, str):
         raise KVFileError("unreadable", f"transcript_mark is {_show(theirs)}")
-    if mark is not ANY_MARK and theirs != mark:
-        raise KVFileError("stale", "the transcript changed after the file was written"
-                          if theirs else "written without a transcript mark")
+    refusal = mark_refusal(mark, theirs)
+    if refusal is not None:
+        raise KVFileError("stale", refusal)
     return theirs
 
 

@@ -46,6 +46,7 @@ class FakeDaemon:
         self.max_text_chars = max_text_chars  # a longer append gets message_too_large
         self.received: list[dict] = []
         self.auth_headers: list[str | None] = []
+        self.paths: list[str] = []  # each handshake's request path, query included
         self.sessions: dict[str, FakeSession] = {}
         self.connections = 0
         self._ids = itertools.count(1)
@@ -82,6 +83,7 @@ class FakeDaemon:
     def _check_auth(self, connection: ServerConnection, request):
         header = request.headers.get("Authorization")
         self.auth_headers.append(header)
+        self.paths.append(request.path)
         if self.api_key and header != f"Bearer {self.api_key}":
             return connection.respond(HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n")
         if self.http_503_connects > 0:

@@ -45,11 +45,12 @@ def test_resume_sends_resume_first_and_switches_session():
     async def main():
         async with FakeDaemon() as daemon:
             daemon.add_session("sess_old", "secret", instructions="be brief")
-            conn = await open_connection(Endpoint(daemon.url), resume=("sess_old", "secret"))
+            conn = await open_connection(Endpoint(daemon.url + "?model=fake-model"), resume=("sess_old", "secret"))
             await conn.close()
-            return daemon.received, conn.session_id, conn.restored_from, conn.session["instructions"]
+            return daemon.received, conn.session_id, conn.restored_from, conn.session["instructions"], daemon.paths
 
-    received, session_id, restored, instructions = run(main())
+    received, session_id, restored, instructions, paths = run(main())
+    assert paths == ["/v1/realtime?model=fake-model&session_id=sess_old"]  # a fleet's proxy routes on it
     assert [e["type"] for e in received] == ["streamchat.session.resume"]
     assert received[0]["session_id"] == "sess_old" and received[0]["resume_token"] == "secret"
     assert (session_id, restored, instructions) == ("sess_old", "memory", "be brief")

@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import orjson
@@ -145,7 +146,8 @@ def test_an_engine_that_cannot_recover_says_503_and_exits_non_zero(tmp_path, mon
 
 
 def test_sessions_nobody_holds_leave_memory_and_resume_from_disk(tmp_path, monkeypatch):
-    """An idle session with no connection leaves memory (KV to disk); a resume brings it back.
+    """An idle session with no connection leaves memory (KV to disk) and its lease is released; a resume
+    takes the lease again and brings the session back.
     An append item closed by the next item gets its conversation.item.done."""
     async def go():
         async with daemon(tmp_path, monkeypatch, "--session-idle-release-s", "0.5") as (d, store, url):
@@ -164,10 +166,14 @@ def test_sessions_nobody_holds_leave_memory_and_resume_from_disk(tmp_path, monke
                 if sid not in d.hub.sessions and d.aengine.snapshot.sessions == 0:
                     break
             assert sid not in d.hub.sessions and d.health()["sessions_in_engine"] == 0
+            lease = await d.store.leases.get(sid)  # released as it left: any daemon may take it at once
+            assert lease.owner == d.fleet.id and lease.expires_at <= datetime.now(timezone.utc)
+            assert not d.fleet.holds(sid) and d.health()["leases"] == 0
             c = await Client.open(url)
             await c.send({"type": "streamchat.session.resume", "session_id": sid, "resume_token": token})
             resumed = (await c.until("streamchat.session.resumed"))[-1]
             assert resumed["restored_from"] == "disk"
+            assert d.fleet.epoch_of(sid) == lease.epoch  # taken again by its own daemon: the same epoch
             await c.send({"type": "response.create", "response": {"max_output_tokens": 4}})
             assert (await c.until("response.done"))[-1]["response"]["status"] in ("completed", "incomplete")
             await c.close()

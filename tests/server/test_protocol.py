@@ -161,11 +161,22 @@ def test_error_codes_are_the_spec_codes():
         "invalid_json", "invalid_event", "unknown_event", "conversation_already_has_active_response",
         "response_cancel_not_active", "session_not_found", "message_too_large", "overloaded", "internal",
         "store_unavailable", "item_id_in_use", "pending_limit_exceeded", "engine_unavailable",
-        "engine_restarting", "instructions_too_long",
+        "engine_restarting", "instructions_too_long", "session_leased", "lease_lost",
     )
     assert tuple(c.value for c in ErrorCode) == ERROR_CODES
     assert SERVER_ERROR_CODES == {"overloaded", "internal", "store_unavailable", "engine_unavailable",
-                                  "engine_restarting"}
+                                  "engine_restarting", "session_leased", "lease_lost"}
+
+
+def test_url_session_id():
+    """The URL's session_id (a proxy routes on it): absent, one valid id, or invalid_event."""
+    limits = Limits(max_event_id_chars=8)
+    assert protocol.url_session_id("model=m", limits) is None
+    assert protocol.url_session_id("model=m&session_id=sess_1", limits) == "sess_1"
+    for query in ("session_id=", "session_id=a&session_id=a", "session_id=" + "x" * 9):
+        with pytest.raises(ProtocolError) as err:
+            protocol.url_session_id(query, limits)
+        assert err.value.code == "invalid_event"
 
 
 def test_protocol_error_fields_and_unknown_code():
@@ -456,8 +467,10 @@ def test_streamchat_events():
 
 @pytest.mark.parametrize("code", ERROR_CODES)
 def test_error_event_for_each_code(code):
-    """Every code builds an error event; internal, overloaded, store_ and engine_unavailable are server_error."""
-    server = ("internal", "overloaded", "store_unavailable", "engine_unavailable", "engine_restarting")
+    """Every code builds an error event; internal, overloaded, store_ and engine_unavailable, engine_restarting
+    and the fleet's session_leased and lease_lost are server_error."""
+    server = ("internal", "overloaded", "store_unavailable", "engine_unavailable", "engine_restarting",
+              "session_leased", "lease_lost")
     kind = "server_error" if code in server else "invalid_request_error"
     assert strip_id(E.error(code, "msg", "e1")) == {
         "type": "error", "error": {"type": kind, "code": code, "message": "msg", "event_id": "e1"}}

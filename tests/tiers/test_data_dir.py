@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import time
 import stat
 
 import pytest
@@ -76,7 +77,8 @@ def test_a_marker_that_is_not_a_file_is_refused(tmp_path):
 
 def test_only_the_daemons_own_files_are_indexed_counted_or_deleted(tmp_path, caplog):
     """Other files, look-alike names, links and folders are never indexed, counted or deleted, even over
-    the budget, and are logged once; a temp file of the daemon's is removed."""
+    the budget, and are logged once; a temp file of the daemon's is removed once it is old (a young one may
+    be another daemon's write in progress: a fleet shares the folder)."""
     root = tmp_path / "kv"
     open_tier(root).close()
     outside = tmp_path / "outside.safetensors"
@@ -89,6 +91,9 @@ def test_only_the_daemons_own_files_are_indexed_counted_or_deleted(tmp_path, cap
     (root / ("h" + "1" * 32 + ".safetensors")).mkdir()
     temp = root / f".{SID[3]}.safetensors.0123abcd.tmp"
     temp.write_bytes(b"half")
+    os.utime(temp, (time.time() - 3600,) * 2)
+    young = root / f".{SID[3]}.safetensors.4567cdef.tmp"  # another daemon's write in progress: kept
+    young.write_bytes(b"half")
     size = len(_one_file(tmp_path))
     with caplog.at_level(logging.INFO, logger="streamchat.tiers.disk"):
         disk = open_tier(root, budget=int(size * 1.5))
@@ -101,7 +106,7 @@ def test_only_the_daemons_own_files_are_indexed_counted_or_deleted(tmp_path, cap
     disk.close()
     left = {p.name for p in root.iterdir()}
     assert left == {*foreign, SID[2] + ".safetensors", "h" + "1" * 32 + ".safetensors", datadir.MARKER,
-                    file_name(SID[1])}
+                    file_name(SID[1]), young.name}
     assert all((root / name).read_bytes() == data for name, data in foreign.items()) and outside.exists()
     notes = [r.getMessage() for r in caplog.records if "not streamchat session files" in r.getMessage()]
     assert len(notes) == 1 and notes[0].startswith(f"disk tier {root}: 8 entries are not streamchat session files")

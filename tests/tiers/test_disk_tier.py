@@ -13,6 +13,7 @@ from tierkit import VOCAB, layout, same_bytes, snapshot
 
 from streamchat.config import ConfigError
 from streamchat.tiers import datadir, kvfile
+from streamchat.tiers import disk as disk_module
 from streamchat.tiers.disk import DiskTier, default_data_dir, file_name
 from streamchat.tiers.kvfile import KVFileError
 
@@ -121,8 +122,10 @@ while True:
 """
 
 
-def test_kill9_in_the_middle_of_writes_leaves_a_whole_file_or_none(tmp_path, caplog):
-    """kill -9 a process while it rewrites a session file: the file is whole; the temp file is removed on start."""
+def test_kill9_in_the_middle_of_writes_leaves_a_whole_file_or_none(tmp_path, caplog, monkeypatch):
+    """kill -9 a process while it rewrites a session file: the file is whole; the temp file is removed on start
+    (once stale: here at once; a young one may be another daemon's write, see test_data_dir)."""
+    monkeypatch.setattr(disk_module, "STALE_TEMP_S", -1.0)
     path = tmp_path / "kv" / (SID[0] + ".safetensors")
     lay = layout()
     DiskTier(path.parent, 1 << 30, lay, vocab_size=VOCAB).close()  # claims the new folder

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from tierkit import VOCAB, layout, refused, same_bytes, snapshot
+from tierkit import SID, VOCAB, layout, refused, same_bytes, snapshot
 
 from streamchat.tiers import kvfile
 
@@ -77,6 +77,20 @@ def test_other_session_version_and_stale_mark_are_refused(written, monkeypatch):
     assert kvfile.read(path, lay, "sess_" + "ab" * 16, mark="m1", vocab_size=VOCAB).mark == "m1"
     monkeypatch.setattr(kvfile, "VERSION", kvfile.VERSION + 1)
     assert refused(path, lay)[0] == "version"
+
+
+def test_a_fleets_mark_takes_the_same_transcript_at_the_asked_lease_epoch_or_newer(tmp_path):
+    """`transcript@epoch` marks: a file of the asked epoch or a newer one serves; an older holder's file, or
+    another transcript at any epoch, is `stale`, its message naming the epochs."""
+    lay = layout()
+    path = tmp_path / "s.safetensors"
+    kvfile.write_atomic(path, snapshot(lay, mark="t1@2"), lay)
+    for asked in ("t1@1", "t1@2"):
+        assert kvfile.read(path, lay, SID, mark=asked, vocab_size=VOCAB).mark == "t1@2"
+    why, message = refused(path, lay, mark="t1@3")
+    assert (why, message) == ("stale", "stale: written under lease epoch 2, older than 3, the oldest this load accepts")
+    assert refused(path, lay, mark="t2@1") == ("stale", "stale: the transcript changed after the file was written")
+    assert refused(path, lay, mark="t1")[0] == "stale"  # a mark without an epoch compares whole
 
 
 @pytest.mark.parametrize("old", [1, 2, 3, 4])

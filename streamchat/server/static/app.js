@@ -72,7 +72,10 @@ function connect() {
   const scheme = location.protocol === "https:" ? "wss:" : "ws:";
   let ws;
   try {
-    ws = new WebSocket(`${scheme}//${location.host}/v1/realtime`, protocols);
+    // A session to resume is named in the URL too, so a proxy in front of a fleet routes it home.
+    const saved = load(KEYS.session);
+    const query = saved && saved.id && saved.resume_token ? `?session_id=${encodeURIComponent(saved.id)}` : "";
+    ws = new WebSocket(`${scheme}//${location.host}/v1/realtime${query}`, protocols);
   } catch (err) {
     setStatus(`cannot connect: ${err.message}`, "bad");
     return;
