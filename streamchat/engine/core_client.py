@@ -62,7 +62,10 @@ class CoreClient(CoreSupervisor):
         req_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[req_id] = (fut, type(cmd))
-        await self.send(wire.call(req_id, deadline, cmd))
+        if not await self.send(wire.call(req_id, deadline, cmd)):
+            self._calls.pop(req_id, None)
+            if not fut.done():  # else the core's death has failed it already: that error is the answer
+                raise EngineError("engine_restarting", "the engine core is not taking commands; retry")
         return await fut
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
