@@ -93,7 +93,10 @@ class CoreClient(CoreSupervisor):
         return q
 
     def close_stream(self, response_id: str) -> None:
+        """The caller is done with the response's stream (its detokenizer goes too: a StartResponse the
+        core refused never finishes, and left one behind for every refusal)."""
         self._streams.pop(response_id, None)
+        self.outputs.forget(response_id)
 
     def observe(self, fn: Callable[[str, float], None]) -> None:
         """Call `fn(kind, value)` for each ttft, itl and step_tokens sample the core reports."""

@@ -74,3 +74,21 @@ def test_a_command_waiting_when_the_sockets_are_replaced_fails_engine_restarting
     with pytest.raises(EngineError) as err:
         asyncio.run(_submit_while_restarting())
     assert err.value.code == "engine_restarting"
+
+
+def test_a_stream_closed_before_its_response_finished_leaves_no_detokenizer():
+    """A StartResponse the core refuses (overloaded, ...) is closed by its caller and never finishes."""
+    from streamchat.engine.outputs import OutputProcessor
+
+    async def go():
+        c = CoreClient(config=None)
+        c.outputs = OutputProcessor(tokenizer=None)
+        try:
+            c.open_stream("resp_1", "sess_x")
+            held = "resp_1" in c.outputs
+            c.close_stream("resp_1")
+            return held, "resp_1" in c.outputs, c._streams
+        finally:
+            await c.aclose()
+
+    assert asyncio.run(go()) == (True, False, {})
