@@ -25,6 +25,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Response
 
 from streamchat.config import Config, omp_wait_defaults
+from streamchat.engine.api import EngineError
 from streamchat.server import asgi, front, web
 from streamchat.server.asgi import HttpRequest
 from streamchat.server.openai_http import OpenAIHttp
@@ -135,6 +136,8 @@ class Daemon:
                     pass
                 try:
                     await job(idle_s)
+                except EngineError as exc:  # the core restarting (or gone): the next round tries again
+                    log.info("%s skipped: %s", what, exc)
                 except Exception:
                     log.exception("%s failed", what)
         self.tasks.append(asyncio.create_task(loop()))
