@@ -65,12 +65,17 @@ def test_a_core_killed_mid_reply_fails_the_reply_and_every_session_comes_back(tm
             # y's commit and next append, pipelined, arrive while the core restarts: served once it is back
             await y.send({"type": "streamchat.input_text.commit"})
             await y.send({"type": "streamchat.input_text.append", "text": " And the door is shut."})
-            during = [e["type"] for e in await y.until("streamchat.input_text.appended", timeout=60)]
-            served_in = time.monotonic() - killed
+
+            async def y_served():
+                seen = await y.until("streamchat.input_text.appended", timeout=60)
+                return [e["type"] for e in seen], time.monotonic() - killed
+
+            y_waits = asyncio.create_task(y_served())  # beside x's turn, which waits for the new core too
             assert done["status"] == "failed" and done["status_details"]["error"]["code"] == "engine_restarting"
             shown = done["output"][0]["content"][0]["text"]
             assert shown.startswith("".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta"))
             reply = await turn(x, "Answer in one word: which?", max_tokens=16)  # waits for the new core
+            during, served_in = await y_waits
             sx = await stats(x)
             again = await turn(z, "What is my name?", max_tokens=8)
             sz = await stats(z)
