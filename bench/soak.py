@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import itertools
 import os
 import re
 import signal
@@ -119,9 +120,12 @@ class Soak:
                     if sid is None:
                         sid, token = created["session"]["id"], created["session"]["resume_token"]
                     else:
+                        ask = _event_id()
                         await ws.send(orjson.dumps({"type": "streamchat.session.resume", "session_id": sid,
-                                                    "resume_token": token}).decode())
-                        await _until(ws, "streamchat.session.resumed", self.errors)
+                                                    "resume_token": token, "event_id": ask}).decode())
+                        if await _until(ws, "streamchat.session.resumed", self.errors, ask) is None:
+                            await asyncio.sleep(0.5)  # refused (counted): a new connection tries again
+                            continue
                     for _ in range(3):
                         await self.turn(ws, sid, PROMPTS[(i + turn) % len(PROMPTS)])
                         turn += 1
@@ -130,15 +134,22 @@ class Soak:
                 await asyncio.sleep(0.5)
 
     async def turn(self, ws, sid: str, prompt: str) -> None:
-        await ws.send(orjson.dumps({"type": "conversation.item.create", "item": {
+        ask = _event_id()
+        await ws.send(orjson.dumps({"type": "conversation.item.create", "event_id": ask, "item": {
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": prompt}]}}).decode())
-        added = await _until(ws, "conversation.item.added", self.errors)
+        added = await _until(ws, "conversation.item.added", self.errors, ask)
+        if added is None:  # refused (counted): the turn is over
+            return
         self.acked[sid].add(added["item"]["id"])
-        await ws.send(orjson.dumps({"type": "response.create",
+        ask = _event_id()
+        await ws.send(orjson.dumps({"type": "response.create", "event_id": ask,
                                     "response": {"max_output_tokens": 48, "temperature": 0}}).decode())
         text, item_id, last, seen = "", None, None, []
         while True:
             e = orjson.loads(await asyncio.wait_for(ws.recv(), 120))
+            if e["type"] == "error" and e["error"].get("event_id") == ask:  # refused: no response.done follows
+                self.errors[e["error"]["code"]] += 1
+                return
             if e["type"] == "response.output_text.delta":
                 now = time.monotonic()
                 if last is not None:
@@ -184,9 +195,10 @@ class Soak:
                 async with connect(self.url()) as ws:
                     await ws.recv()
                     for n in range(20):
-                        await ws.send(orjson.dumps({"type": "streamchat.input_text.append",
+                        ask = _event_id()
+                        await ws.send(orjson.dumps({"type": "streamchat.input_text.append", "event_id": ask,
                                                     "text": f"Line {n} of the log. "}).decode())
-                        await _until(ws, "streamchat.input_text.appended", self.errors)
+                        await _until(ws, "streamchat.input_text.appended", self.errors, ask)
                         if n % 5 == 4:
                             await ws.send(orjson.dumps({"type": "streamchat.input_text.commit"}).decode())
                         await asyncio.sleep(0.5)
@@ -274,13 +286,24 @@ class Soak:
         return sum(len(ids - stored) for ids in self.acked.values())
 
 
-async def _until(ws, kind: str, errors) -> dict:
+async def _until(ws, kind: str, errors, event_id: str | None = None) -> dict | None:
+    """The first event of `kind`; None if an error answers the client event `event_id` first (a refusal:
+    the daemon sends nothing more for it). Errors are counted by code."""
     while True:
         e = orjson.loads(await asyncio.wait_for(ws.recv(), 120))
         if e["type"] == kind:
             return e
         if e["type"] == "error":
             errors[e["error"]["code"]] += 1
+            if event_id is not None and e["error"].get("event_id") == event_id:
+                return None
+
+
+_event_ids = itertools.count(1)
+
+
+def _event_id() -> str:
+    return f"evt_soak_{next(_event_ids)}"
 
 
 async def run(args) -> None:

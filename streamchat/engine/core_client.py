@@ -62,7 +62,10 @@ class CoreClient(CoreSupervisor):
         req_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[req_id] = (fut, type(cmd))
-        await self.send(wire.call(req_id, deadline, cmd))
+        if not await self.send(wire.call(req_id, deadline, cmd)):
+            self._calls.pop(req_id, None)
+            if not fut.done():  # else the core's death has failed it already: that error is the answer
+                raise EngineError("engine_restarting", "the engine core is not taking commands; retry")
         return await fut
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
@@ -90,7 +93,10 @@ class CoreClient(CoreSupervisor):
         return q
 
     def close_stream(self, response_id: str) -> None:
+        """The caller is done with the response's stream (its detokenizer goes too: a StartResponse the
+        core refused never finishes, and left one behind for every refusal)."""
         self._streams.pop(response_id, None)
+        self.outputs.forget(response_id)
 
     def observe(self, fn: Callable[[str, float], None]) -> None:
         """Call `fn(kind, value)` for each ttft, itl and step_tokens sample the core reports."""

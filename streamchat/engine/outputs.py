@@ -74,6 +74,10 @@ class OutputProcessor:
             ev = replace(ev, status="completed", reason=None, token_ids=ev.token_ids[:len(detok.ids)])
         return delta, replace(ev, text=detok.text)
 
+    def forget(self, response_id: str) -> None:
+        """No more text is wanted for this response (it never started, or its reader has gone)."""
+        self._detoks.pop(response_id, None)
+
     def text_so_far(self, response_id: str) -> str:
         detok = self._detoks.get(response_id)
         return detok.text[:detok.emitted] if detok is not None else ""

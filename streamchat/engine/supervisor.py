@@ -30,6 +30,8 @@ from streamchat.engine.api import EngineSnapshot
 
 log = logging.getLogger(__name__)
 
+SEND_WAIT_S = 1.0  # a core that takes no command for this long has died (its restart fails what was sent)
+
 
 @dataclass(frozen=True)
 class Supervision:
@@ -159,8 +161,26 @@ class CoreSupervisor:
                     log.exception("could not take an output of the engine core")
         self._exited(proc, epoch)
 
-    async def send(self, frames: list[bytes]) -> None:
-        await self._socks[0].send_multipart(frames)
+    async def send(self, frames: list[bytes]) -> bool:
+        """Hand `frames` to the core that runs now; False if it takes none within SEND_WAIT_S.
+
+        Never waits on the socket itself: a dead core's socket would hold a send until the
+        restart closes it, and the close cancels it (a CancelledError in a task nobody cancelled).
+        """
+        socks = self._socks
+        deadline = time.monotonic() + SEND_WAIT_S
+        while socks is not None and socks is self._socks:
+            try:
+                await socks[0].send_multipart(frames, flags=zmq.NOBLOCK)  # done at once: sent, or Again
+                return True
+            except zmq.Again:  # no core connected (it died), or its queue is full
+                pass
+            except zmq.ZMQError:  # closed under us: that core is gone
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return False
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """True once a core serves (a restart within `timeout_s`), False if none does by then."""

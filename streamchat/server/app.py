@@ -24,6 +24,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Response
 
 from streamchat.config import Config, omp_wait_defaults
+from streamchat.engine.api import EngineError
 from streamchat.server import asgi, fleet, front, web
 from streamchat.server.origins import host_allowed, is_loopback, self_origins
 from streamchat.server.asgi import HttpRequest
@@ -146,6 +147,8 @@ class Daemon:
                     pass
                 try:
                     await job(idle_s)
+                except EngineError as exc:  # the core restarting (or gone): the next round tries again
+                    log.info("%s skipped: %s", what, exc)
                 except Exception:
                     log.exception("%s failed", what)
         self.tasks.append(asyncio.create_task(loop()))

@@ -205,6 +205,9 @@ class Connection:
         """Close the open append item (stored first), then tell the engine; its item.done follows."""
         if s.open_item_id is None:
             return
+        # into the running core before the store changes: brought back after, it would find the item
+        # closed already and refuse the commit (as check_room does for items and appends)
+        await self.hub.restore.ensure(s)
         item_id = s.open_item_id
         await self.hub.store.finish_item(s.id, item_id, status="completed")
         s.open_item_id, s.open_item_chars = None, 0

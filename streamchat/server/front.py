@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 ABORT = "streamchat.abort"  # scope["extensions"][ABORT]: drop the connection now, unsent bytes and all
 KEEP_ALIVE_S = 30.0  # a kept-alive connection with no new request is closed after this
 PING_INTERVAL_S = 20.0  # websocket keepalive, as before: a ping every 20 s, 20 s for its pong
+# messages received and not yet taken by the app before reading stops (and with it the pongs: a
+# client is only dropped as silent if it sends this many events while one waits on the engine)
+MAX_QUEUED_MESSAGES = 4
 
 
 class Gate:
@@ -157,6 +160,22 @@ class FrontWebSocket(WebSocketsSansIOProtocol):
         scope = getattr(self, "scope", None)
         if scope is not None:  # the handshake was valid: the app runs (from the next loop turn)
             scope["extensions"][ABORT] = self.transport.abort
+
+    def send_receive_event_to_app(self) -> None:
+        """Queue a message for the app, reading on until MAX_QUEUED_MESSAGES wait.
+
+        uvicorn stops reading after every message until the app takes it; an event
+        that waits 30 s on a restarting engine then leaves the client's pongs unread,
+        and the keepalive drops a client that did nothing wrong (1011).
+        """
+        paused, self.read_paused = self.read_paused, True  # uvicorn's own pause: not here
+        try:
+            super().send_receive_event_to_app()
+        finally:
+            self.read_paused = paused
+        if not paused and self.queue.qsize() >= MAX_QUEUED_MESSAGES:
+            self.read_paused = True
+            self.transport.pause_reading()
 
 
 async def listen(app, cfg: ServerConfig, gate: Gate) -> asyncio.Server:

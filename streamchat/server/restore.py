@@ -97,6 +97,8 @@ class Restorer:
     async def ensure(self, s: LiveSession) -> str | None:
         """Make sure `s` is open in the engine core that runs now; where it came from, if it had to
         come back (the core restarted since it was opened), else None."""
+        if self.engine.restarting:  # the epoch advances only as the next core starts: compare after that
+            await self.engine.wait_ready()
         if s.epoch == self.engine.epoch:
             return None
         async with self.id_lock(s.id):
@@ -148,8 +150,9 @@ class Restorer:
             await hub.submit(api.RestoreTranscript(s.id, prefix, await hub._transcript(messages),
                                                    s.open_item_id is not None, len(messages)))
         except Exception:
-            log.exception("session %s: rebuild failed; it is rebuilt on its next resume", s.id)
-            hub.sessions.pop(s.id, None)
+            # still attached, maybe: kept, and marked as in no core, so its next call reopens it from the store
+            log.exception("session %s: rebuild failed; it is rebuilt on its next call", s.id)
+            s.epoch = 0
 
     # -- resume ---------------------------------------------------------------------------
 
@@ -263,6 +266,8 @@ class Restorer:
                 if s.attached > 0 or s.response_id is not None or hub.sessions.get(s.id) is not s:
                     continue
                 if s.epoch != self.engine.epoch:  # not in the engine that runs now: nothing to save
+                    if s.epoch == 0:  # a failed rebuild may have left a copy there
+                        await hub.submit(api.CloseSession(s.id, keep_saved=True))
                     del hub.sessions[s.id]
                     released += 1
                     continue

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Hub", "LiveSession", "SessionNotFound", "transcript_mark", "transcript_messages"]
 OFF_LOOP_CHARS = 4096  # longer texts are tokenized on a worker thread, not the event loop
+ENGINE_GONE = ("engine_restarting", "engine_unavailable")  # failures that leave no engine copy to mend
 
 
 @dataclass
@@ -142,6 +143,7 @@ class Hub:
     async def create(self) -> LiveSession:
         token = new_resume_token()
         s = LiveSession(new_id("sess"), hash_token(token), token)
+        await self.engine.wait_ready()  # the core it opens in is the one its epoch names
         s.epoch = self.engine.epoch
         await self.submit(api.OpenSession(s.id, tuple(self.chat.system_prefix(""))))
         self.sessions[s.id] = s
@@ -196,6 +198,11 @@ class Hub:
             return await self.submit(cmd)
         try:
             return await self.submit(cmd)
+        except EngineError as exc:
+            # the core that failed it is gone: its successor opens `s` from the store on the next call
+            if exc.code not in ENGINE_GONE:
+                await self.restore.rebuild(s)
+            raise
         except Exception:
             await self.restore.rebuild(s)
             raise
@@ -224,6 +231,8 @@ class Hub:
         except BaseException:
             if ticket is not None:
                 self.engine.forget_ticket(ticket)
+                if not fut.cancel():  # a core's death failed it already: seen here, not logged as lost
+                    fut.exception()
             raise
         return context, fut
 

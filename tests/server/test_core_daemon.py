@@ -37,8 +37,9 @@ async def until_checkpointed(c, timeout=30):
 
 def test_a_core_killed_mid_reply_fails_the_reply_and_every_session_comes_back(tmp_path):
     """SIGKILL of the engine core while z streams: z's response.done (failed, engine_restarting) within 5 s;
-    /healthz says restarting; then x, checkpointed before, answers exactly as its twin y did without a
-    crash; z's next reply works with its history as stored; nothing acknowledged is lost."""
+    /healthz says restarting; y's commit and append sent during the restart are served once the core is
+    back; then x, checkpointed before, answers exactly as its twin y did without a crash; z's next reply
+    works with its history as stored; nothing acknowledged is lost."""
     db = tmp_path / "s.db"
     d = Daemon(db, *TIER_ARGS, "--checkpoint-idle-s", "0.5").start()
     try:
@@ -47,6 +48,8 @@ def test_a_core_killed_mid_reply_fails_the_reply_and_every_session_comes_back(tm
             for text in TURNS:
                 assert await turn(x, text) == await turn(y, text)
             live = await turn(y, "Answer in one word: which?", max_tokens=16)  # the twin, never crashed
+            await y.send({"type": "streamchat.input_text.append", "text": "Notes: the lamp is lit."})
+            await y.until("streamchat.input_text.appended")
             await until_checkpointed(x)
             await z.send(user_item("My name is Ada. Tell me a long story about a lighthouse."))
             await z.send({"type": "response.create", "response": {"max_output_tokens": 200, "temperature": 0}})
@@ -59,20 +62,32 @@ def test_a_core_killed_mid_reply_fails_the_reply_and_every_session_comes_back(tm
             done = (await z.until("response.done", timeout=10))[-1]["response"]
             failed_in = time.monotonic() - killed
             states = {health(d)["status"]}
+            # y's commit and next append, pipelined, arrive while the core restarts: served once it is back
+            await y.send({"type": "streamchat.input_text.commit"})
+            await y.send({"type": "streamchat.input_text.append", "text": " And the door is shut."})
+
+            async def y_served():
+                seen = await y.until("streamchat.input_text.appended", timeout=60)
+                return [e["type"] for e in seen], time.monotonic() - killed
+
+            y_waits = asyncio.create_task(y_served())  # beside x's turn, which waits for the new core too
             assert done["status"] == "failed" and done["status_details"]["error"]["code"] == "engine_restarting"
             shown = done["output"][0]["content"][0]["text"]
             assert shown.startswith("".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta"))
             reply = await turn(x, "Answer in one word: which?", max_tokens=16)  # waits for the new core
+            during, served_in = await y_waits
             sx = await stats(x)
             again = await turn(z, "What is my name?", max_tokens=8)
             sz = await stats(z)
             h = health(d)
             for c in (x, y, z):
                 await c.close()
-            return failed_in, states, live, reply, sx, again, sz, h, shown, ids(z)[0], pid
+            return failed_in, states, live, reply, sx, again, sz, h, shown, ids(z)[0], pid, during, served_in
 
-        failed_in, states, live, reply, sx, again, sz, h, shown, zid, pid = asyncio.run(go())
+        failed_in, states, live, reply, sx, again, sz, h, shown, zid, pid, during, served_in = asyncio.run(go())
         assert failed_in < 5.0, failed_in
+        assert "error" not in during and "conversation.item.done" in during, during
+        assert served_in < 30.0, served_in  # --engine-call-timeout-s
         assert "restarting" in states
         assert reply == live  # exactly as the twin that never crashed: its KV came back from its checkpoint
         assert sx["evicted_tokens"] > 0 and sx["tier"] == "device"

@@ -245,3 +245,37 @@ def test_a_client_gone_before_its_answer_cancels_the_completion(strict):
     before = h["sessions_in_engine"]
     h = wait_health(strict, lambda h: h["running"] == 0 and h["sessions_in_engine"] < before, timeout_s=5)
     assert (h["running"], h["sessions_in_engine"]) == (0, before - 1)
+
+
+def test_a_websocket_whose_event_waits_long_still_answers_keepalive_pings(monkeypatch):
+    """The app takes 2 s over one event (as an event waits on a restarting engine) while the client's next
+    event waits behind it, under a 0.3 s keepalive: the front reads on, the client's pongs arrive, and
+    the answers come instead of a 1011 close (uvicorn alone stops reading at the queued event)."""
+    from streamchat.config import ServerConfig
+    from streamchat.server import front
+
+    monkeypatch.setattr(front, "PING_INTERVAL_S", 0.3)
+
+    async def app(scope, receive, send):
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        for _ in range(2):
+            message = await receive()
+            await asyncio.sleep(1.0)  # reads nothing meanwhile
+            await send({"type": "websocket.send", "text": "answer to " + message["text"]})
+        await receive()
+
+    async def go():
+        gate = front.Gate()
+        server = await front.listen(app, ServerConfig(port=0), gate)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with connect(f"ws://127.0.0.1:{port}/", ping_interval=None) as ws:
+                await ws.send("a slow event")
+                await ws.send("the next")
+                return [await asyncio.wait_for(ws.recv(), 10) for _ in range(2)]
+        finally:
+            server.close()
+            front.close_all(gate, 0.1)
+
+    assert asyncio.run(go()) == ["answer to a slow event", "answer to the next"]
