@@ -8,6 +8,7 @@ import pytest
 
 from streamchat.engine import api
 from streamchat.engine.api import EngineError
+from streamchat.model.sampling_params import SamplingParams
 from streamchat.server.sessions import Hub, LiveSession
 
 
@@ -36,7 +37,7 @@ class RestartingEngine:
 
 
 def hub_with(engine) -> tuple[Hub, LiveSession]:
-    hub = Hub(engine, store=None, model_name="m", cache_cfg=None)
+    hub = Hub(engine, store=None, model_name="m", cache_cfg=None, model_defaults=SamplingParams(), fleet=None)
     s = LiveSession("sess_a", "hash", epoch=1)  # open in the core that died
     hub.sessions[s.id] = s
     return hub, s
