@@ -268,7 +268,10 @@ def test_sigterm_under_load_exits_within_the_timeout_and_int8_resumes_from_disk(
             c = await Client.open(again.url)
             await c.send({"type": "streamchat.session.resume", "session_id": sid, "resume_token": token})
             resumed = await c.recv()
-            assert resumed.get("restored_from") == "disk", resumed
+            if resumed.get("restored_from") != "disk":
+                again.kill(signal.SIGTERM)
+                drain_log(again)
+                pytest.fail(f"resumed {resumed}; log: {[r['message'] for r in log_records(again) if 'sess' in r['message']]}")
             st = await stats(c)
             assert (st["context_tokens"], st["evicted_tokens"]) == (sx["context_tokens"], sx["evicted_tokens"])
             reply = await turn(c, "Answer in one word: which?", max_tokens=16)
