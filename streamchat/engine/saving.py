@@ -70,7 +70,10 @@ class Saver:
             return "inconsistent"
         prefix = list(c.prefix)
         pinned = len(prefix) if eng.cache_cfg.pin_system_prompt else 0
-        if snap.state.token_ids[:len(prefix)] != prefix or snap.state.pinned_tokens != pinned:
+        st = snap.state
+        # An unpinned system prompt may have been evicted past the sink blocks: compare what must remain.
+        kept = len(prefix) if pinned or not st.evicted_tokens else st.num_sink_blocks * eng.cache_cfg.block_size
+        if st.token_ids[:kept] != prefix[:kept] or st.pinned_tokens != pinned:
             pager.note_failure("prompt")
             return "prompt"
         s = eng.open(c.session_id, [])

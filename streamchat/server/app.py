@@ -342,6 +342,9 @@ class Daemon:
                 await self.aengine.stop(max(0.1, deadline - time.monotonic() - 1.0))
         except TimeoutError:
             log.warning("shutdown passed its %g s deadline; leaving what still runs", timeout)
+            # A core that never answered (hung, or stopped by a signal) must not outlive the deadline:
+            # the interpreter's exit joins its child processes, so a live core would hold the exit.
+            await self.aengine.stop(0.1)
         if not self.fleet.stopped:
             await asyncio.wait([asyncio.ensure_future(self.fleet.stop())], timeout=max(0.5, deadline - time.monotonic()))
         await self.aengine.aclose()

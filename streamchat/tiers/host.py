@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from streamchat.cache.block_pool import BlockPool
-from streamchat.tiers.kvfile import SeqState
+from streamchat.tiers.kvfile import SeqState, byte_view
 
 
 @dataclass
@@ -48,7 +48,7 @@ def copy_blocks(src_caches, src_ids: list[int], dst_caches, dst_ids: list[int], 
             di = torch.tensor(dst_ids, dtype=torch.long, device=dst[0].device)
             for s, d in zip(src, dst):
                 if s is not None:
-                    d.index_copy_(0, di, s.index_select(0, si).to(d.device))
+                    byte_view(d).index_copy_(0, di, byte_view(s).index_select(0, si).to(d.device))
         return
     current = torch.cuda.current_stream(stream.device)
     stream.wait_stream(current)
@@ -60,6 +60,7 @@ def copy_blocks(src_caches, src_ids: list[int], dst_caches, dst_ids: list[int], 
             for s, d in zip(src, dst):
                 if s is None:
                     continue
+                s, d = byte_view(s), byte_view(d)
                 staged = torch.empty((len(src_ids), *s.shape[1:]), dtype=s.dtype, pin_memory=True)
                 if s.is_cuda:
                     staged.copy_(s.index_select(0, si), non_blocking=True)

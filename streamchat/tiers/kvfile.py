@@ -132,6 +132,12 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """`t` as uint8 if its dtype is a one-byte float (fp8): a block copy needs only the bytes, and torch
+    has no CPU index_copy_ for fp8."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
 def gather(caches, block_ids: list[int]) -> dict[str, torch.Tensor]:
     """Copy blocks out of per-layer pools (LayerKV, LatentKV) into CPU tensors, in the given order."""
     out = {}
@@ -151,7 +157,8 @@ def scatter(tensors: dict[str, torch.Tensor], rows: list[int], caches, block_ids
         src = torch.tensor(rows, dtype=torch.long)
         for name, t in zip(kv._fields, kv):
             if t is not None:
-                t.index_copy_(0, dst, tensors[f"{name}.{layer}"].index_select(0, src).to(dev))
+                rows_of = tensors[f"{name}.{layer}"].index_select(0, src)
+                byte_view(t).index_copy_(0, dst, byte_view(rows_of).to(dev))
 
 
 def expected_tensors(layout: KVLayout) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

@@ -18,10 +18,11 @@ PROMPTS = [
 ]
 
 
-def make_llm(loaded, num_blocks=512, budget=256, max_running=64, window=2048, eviction="sink_window"):
+def make_llm(loaded, num_blocks=512, budget=256, max_running=64, window=2048, eviction="sink_window",
+             kv_dtype="auto"):
     cfg = Config(model=ModelConfig(dtype="float32"),
                  cache=CacheConfig(num_blocks=num_blocks, window_tokens=window, eviction=eviction,
-                                   h2o_recent_tokens=min(256, window - 32)),
+                                   h2o_recent_tokens=min(256, window - 32), kv_dtype=kv_dtype),
                  # queue timeouts are tested on their own; a slow (shared) machine must not trip them here
                  scheduler=SchedulerConfig(max_tokens_per_step=budget, max_running=max_running,
                                            queue_timeout_s=3600.0))
@@ -285,3 +286,48 @@ def test_a_stop_in_the_newest_token_keeps_it(bundled_fp32):
     chat = eng.chat
     expected = chat.system_prefix("") + chat.message("user", "List three fruits.") + chat.reply_prompt()
     assert eng.sessions["s"].seq.token_ids == expected + out + chat.reply_end()
+
+
+# -- every KV storage under both policies, evicting -------------------------------------------------
+
+KV_DTYPES = ["float", "int8", "fp8", "int4"]
+# Framed, 52 and 47 tokens: with 8 reply tokens both pass one sink block plus a 32-token window.
+EVICTING = [
+    "Describe the water cycle in a few sentences: how the sun warms the sea, how the vapour rises and "
+    "forms clouds, how rain falls on the hills, and how the rivers carry it back to the sea again.",
+    "Explain to a child how a bicycle stays upright while it moves along a road, why it falls over "
+    "when it stops, and what the rider does with the handlebars to keep it balanced.",
+]
+
+
+@pytest.mark.parametrize("eviction", ["sink_window", "h2o"])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_batched_equals_alone_while_evicting(bundled_fp32, kv_dtype, eviction):
+    """Each KV storage under each policy, a 32-token window: two sessions started at different
+    steps and batched in 16-token chunks give each one's greedy tokens alone, and both runs evicted
+    blocks of every session by that policy only."""
+    def llm():
+        return make_llm(bundled_fp32, num_blocks=24, budget=16, window=32, eviction=eviction, kv_dtype=kv_dtype)
+
+    first = llm()
+    alone = [first.chat([p], max_tokens=8)[0] for p in EVICTING]
+    second = llm()
+    eng = second.engine
+    for i, prompt in enumerate(EVICTING):
+        eng.open_session(f"s{i}")
+        eng.add_item(f"s{i}", "user", prompt)
+        eng.start_response(f"s{i}", f"r{i}", SamplingParams(), max_tokens=8)
+        step_checked(eng)  # the next session arrives while this one prefills
+    done = {}
+    while len(done) < len(EVICTING):
+        assert eng.has_work()
+        done |= {ev.response_id: ev for ev in step_checked(eng) if isinstance(ev, ResponseFinished)}
+    batched = [done[f"r{i}"] for i in range(len(EVICTING))]
+    assert [list(r.token_ids) for r in batched] == [r.token_ids for r in alone]
+    assert all(r.usage.evicted_tokens > 0 for r in alone)
+    assert [r.usage.evicted_tokens for r in batched] == [r.usage.evicted_tokens for r in alone]
+    other = "h2o" if eviction == "sink_window" else "sink_window"
+    for run in (first, second):
+        by_policy = run.engine.manager.evicted_by_policy
+        assert by_policy[eviction] == run.engine.manager.num_evicted_tokens > 0 and not by_policy.get(other)
+    assert second.runner.kv_dtype == kv_dtype

@@ -35,11 +35,13 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def make_llm(loaded, num_blocks, eviction, host_blocks=0, data_dir=None, window=32):
-    per_block = 2 * 30 * 3 * 64 * 4 * 16  # SmolLM2 in float32: bytes of one 16-token block
+def make_llm(loaded, num_blocks, eviction, host_blocks=0, data_dir=None, window=32, kv_dtype="auto"):
+    from streamchat.kernels import quant
+
+    per_block = 16 * quant.bytes_per_token(kv_dtype, torch.float32, 30, 3, 64)  # SmolLM2: one 16-token block
     cfg = Config(model=ModelConfig(dtype="float32"),
                  cache=CacheConfig(num_blocks=num_blocks, window_tokens=window, eviction=eviction,
-                                   h2o_recent_tokens=window - 32),
+                                   h2o_recent_tokens=window - 32, kv_dtype=kv_dtype),
                  scheduler=SchedulerConfig(max_tokens_per_step=128),
                  tiers=TierConfig(host_tier_gib=host_blocks * per_block / (1 << 30),
                                   disk_tier_gib=1.0 if data_dir else 0.0,
@@ -64,12 +66,12 @@ def turn(eng, sid, text, max_tokens=6):
     return reply
 
 
-def rounds(eng, num_sessions):
-    """Every session takes a turn in turn, three rounds; the replies by round and session."""
+def rounds(eng, num_sessions, num_rounds=3):
+    """Every session takes a turn in turn, `num_rounds` rounds; the replies by round and session."""
     for i in range(num_sessions):
         eng.open_session(f"s{i}", "You are terse." if i % 2 else "")
     out = []
-    for r in range(3):
+    for r in range(num_rounds):
         out.append([turn(eng, f"s{i}", QUESTIONS[i] if r == 0 else FOLLOW_UPS[r - 1])
                     for i in range(num_sessions)])
     return out
@@ -109,6 +111,24 @@ def test_tiny_pool_pages_sessions_through_host_and_disk_exactly(bundled_fp32, re
     assert all(c == 0 for c in eng.pager.host.pool.ref_counts)
     assert [p.name for p in tmp_path.iterdir()] == [".streamchat-data-dir"]  # every session file deleted
 
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "int4"])
+def test_quantized_sessions_page_through_host_and_disk_exactly(bundled_fp32, tmp_path, eviction, kv_dtype):
+    """The test above with each quantized storage (its scale tensors travel with the blocks), made
+    cheaper: 3 sessions in a pool for 1, a host tier for 1, two rounds, every reply the same as with
+    a pool where nothing pages out, and evictions by the policy in both runs."""
+    big = make_llm(bundled_fp32, num_blocks=40, eviction=eviction, kv_dtype=kv_dtype)
+    reference = rounds(big.engine, 3, num_rounds=2)
+    llm = make_llm(bundled_fp32, num_blocks=6, eviction=eviction, host_blocks=4, data_dir=tmp_path,
+                   kv_dtype=kv_dtype)
+    eng = llm.engine
+    assert rounds(eng, 3, num_rounds=2) == reference
+    moves = eng.pager.moves
+    assert moves[(DEVICE, HOST)] and moves[(HOST, DISK)] and (moves[(DISK, DEVICE)] or moves[(DEVICE, DISK)])
+    assert eng.scheduler.stats.idle_drops == 0 and eng.scheduler.stats.preemptions == 0
+    for run in (big, llm):
+        assert run.engine.manager.evicted_by_policy[eviction] == run.engine.manager.num_evicted_tokens > 0
+    assert llm.runner.kv_dtype == kv_dtype
 
 
 def test_pristine_sessions_share_prefix_blocks_in_host_and_on_page_in(bundled_fp32, eviction):

@@ -52,12 +52,12 @@ def test_zero_rows_round_trip_exactly():
         assert torch.equal(quant.dequantize(q, scale, torch.float32), torch.zeros(2, 1, 64))
 
 
-@pytest.mark.parametrize("kv_dtype,tol", [("int8", 0.02), ("fp8", 0.08), ("int4", 0.2)])
-def test_attention_over_a_quantized_pool_is_close_to_unquantized(kv_dtype, tol):
-    """Decode attention over int8 (fp8, int4) storage stays within `tol` of the float pool."""
-    torch.manual_seed(0)
+def quantized_attention_error(kv_dtype: str, seed: int) -> float:
+    """Max |decode attention over a `kv_dtype` pool - over the float pool| for keys, values and queries
+    drawn from `seed` (two sequences of 90 and 96 tokens, gaps in their block tables)."""
+    torch.manual_seed(seed)
     nb, bs, kvh, d, h = 12, 16, 3, 64, 9
-    k, v = keys(nb * bs, kvh, d, 1), keys(nb * bs, kvh, d, 2)
+    k, v = keys(nb * bs, kvh, d, 2 * seed + 1), keys(nb * bs, kvh, d, 2 * seed + 2)
     slots = torch.arange(nb * bs)
     t = torch.arange(512, dtype=torch.float32)
     freqs = torch.outer(t, 1.0 / (10000 ** (torch.arange(0, d, 2) / d)))
@@ -76,8 +76,23 @@ def test_attention_over_a_quantized_pool_is_close_to_unquantized(kv_dtype, tol):
     lens = torch.tensor([90, 96], dtype=torch.int32)
     want = reference.paged_decode_attention(q, fk, fv, tables, lens, cos, sin, d ** -0.5)
     got = reference.paged_decode_attention(q, qk, qv, tables, lens, cos, sin, d ** -0.5, ks, vs)
-    err = (got - want).abs().max().item()
-    assert err < tol, err
+    return (got - want).abs().max().item()
+
+
+# Measured: the largest error over seeds 0-19, then a margin of 2x (the figures' spread over those seeds
+# is under 1.5x of their mean):
+#   .venv/bin/python -c 'import sys; sys.path.insert(0, "tests/kernels"); import test_quant as t;
+#     print({k: max(t.quantized_attention_error(k, s) for s in range(20)) for k in t.STORAGES})'
+#   -> int8 0.0052, fp8 0.0142, int4 0.0529 (mean 0.0039, 0.0116, 0.0413)
+QUANT_ATTENTION_TOL = {"int8": 0.011, "fp8": 0.029, "int4": 0.106}
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "int4"])
+def test_attention_over_a_quantized_pool_is_close_to_unquantized(kv_dtype):
+    """Decode attention over int8 (fp8, int4) storage stays within the measured tolerance of the float
+    pool, for three seeds."""
+    errors = [quantized_attention_error(kv_dtype, seed) for seed in range(3)]
+    assert max(errors) < QUANT_ATTENTION_TOL[kv_dtype], errors
 
 
 @pytest.mark.parametrize("kv_dtype,per_head", [("auto", 128), ("int8", 68), ("fp8", 68), ("int4", 44)])
