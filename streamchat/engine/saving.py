@@ -72,7 +72,8 @@ class Saver:
         pinned = len(prefix) if eng.cache_cfg.pin_system_prompt else 0
         st = snap.state
         # An unpinned system prompt may have been evicted past the sink blocks: compare what must remain.
-        kept = len(prefix) if pinned or not st.evicted_tokens else st.num_sink_blocks * eng.cache_cfg.block_size
+        sink = st.num_sink_blocks * eng.cache_cfg.block_size
+        kept = len(prefix) if pinned or not st.evicted_tokens else min(len(prefix), sink)  # an empty prompt: 0
         if st.token_ids[:kept] != prefix[:kept] or st.pinned_tokens != pinned:
             pager.note_failure("prompt")
             return "prompt"
