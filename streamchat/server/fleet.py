@@ -63,9 +63,10 @@ class Fleet:
     # -- the registry ---------------------------------------------------------------
 
     async def start(self, address: str) -> None:
-        """Register at `address` and start the heartbeat."""
+        """Register at `address` and start the heartbeat. On SQLite this daemon is the store's only one: a
+        killed predecessor's leases end now, so a restart resumes its sessions at once."""
         self.address = address
-        await self.store.daemons.register(self.id, address)
+        await self.store.daemons.register(self.id, address, sole=self.store.dialect == "sqlite")
         self._task = asyncio.create_task(self._beat_loop())
 
     async def stop(self) -> None:

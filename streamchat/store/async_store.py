@@ -40,6 +40,7 @@ class AsyncStore:
 
     def __init__(self, store: Store) -> None:
         self._store = store
+        self.dialect = store.engine.dialect.name  # "sqlite": one daemon per store
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamchat-store")
         self.leases = AsyncLeases(store.leases, self._call)
         self.daemons = AsyncRegistry(store.daemons, self._call)
@@ -171,9 +172,9 @@ class AsyncRegistry:
         self._registry = registry
         self._call = call
 
-    async def register(self, daemon_id: str, address: str) -> None:
+    async def register(self, daemon_id: str, address: str, sole: bool = False) -> None:
         """See `Registry.register`."""
-        await self._call(self._registry.register, daemon_id, address)
+        await self._call(self._registry.register, daemon_id, address, sole)
 
     async def heartbeat(self, daemon_id: str) -> bool:
         """See `Registry.heartbeat`."""

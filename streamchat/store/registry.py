@@ -62,8 +62,13 @@ class Registry:
         self._dialect = dialect
         self._clock = clock
 
-    def register(self, daemon_id: str, address: str) -> None:
-        """Record `daemon_id` as up at `address`, started and heard from now (again, if it ran before)."""
+    def register(self, daemon_id: str, address: str, sole: bool = False) -> None:
+        """Record `daemon_id` as up at `address`, started and heard from now (again, if it ran before).
+
+        `sole`: this daemon is the store's only one (SQLite: one daemon per file), so any other daemon
+        still marked up is a killed predecessor: it is marked stopped and its leases end at once, and the
+        sessions it held resume here without waiting out --lease-s.
+        """
         now = self._clock()
         statement = transaction.upsert(self._dialect, DaemonRow).values(
             id=daemon_id, address=address, started_at=now, heartbeat_at=now, status=UP
@@ -76,6 +81,15 @@ class Registry:
         )
         with transaction.write(self._sessions) as db:
             db.execute(statement)
+            if sole:
+                others = DaemonRow.id != daemon_id
+                db.execute(update(DaemonRow).where(others, DaemonRow.status == UP).values(status=STOPPED),
+                           execution_options=_NO_SYNC)
+                taken = db.execute(update(LeaseRow).where(LeaseRow.owner != daemon_id, LeaseRow.expires_at > now)
+                                   .values(expires_at=now), execution_options=_NO_SYNC).rowcount
+                if taken:
+                    logger.info("daemon %s is this store's only one: %d leases of earlier daemons ended",
+                                daemon_id, taken)
         logger.info("daemon %s registered at %s", daemon_id, address)
 
     def heartbeat(self, daemon_id: str) -> bool:

@@ -80,3 +80,18 @@ def test_state_to_json() -> None:
     ghost = DaemonState("g", None, "unregistered", None, None, ())
     assert ghost.to_json() == {"id": "g", "address": None, "state": "unregistered", "started_at": None,
                                "heartbeat_at": None, "sessions": []}  # fmt: skip
+
+
+def test_a_sole_daemon_ends_its_killed_predecessors_leases(store: Store, clock: ManualClock) -> None:
+    """register(sole=True), as a daemon on SQLite does: the earlier daemon (killed, never signed off) is
+    marked stopped and its leases end now, so the sessions are taken at once, at the next epoch; its own
+    earlier leases and a stopped daemon's rows are left as they were."""
+    store.daemons.register("old", "a:1")
+    store.leases.acquire("sess_a", "old", 15)
+    store.leases.acquire("sess_b", "new", 15)
+    clock.advance(1)
+    store.daemons.register("new", "a:2", sole=True)
+    assert [(d.id, d.state, d.sessions) for d in store.daemons.fleet(stale_s=15)] == [
+        ("new", "live", ("sess_b",)), ("old", "stopped", ())]
+    assert store.leases.acquire("sess_a", "new", 15) == Lease("sess_a", "new", 2, at(16), 15)
+    assert store.leases.get("sess_b").owner == "new"
