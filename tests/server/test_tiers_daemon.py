@@ -1,6 +1,7 @@
 """Tests of session tiers in a real daemon: exact resume from disk after SIGTERM and kill -9, bad files refused."""
 
 import asyncio
+import os
 import re
 import signal
 import time
@@ -8,6 +9,8 @@ import urllib.request
 
 import pytest
 from conftest import Client, Daemon
+
+from streamchat.tiers.disk import STALE_TEMP_S
 
 pytestmark = pytest.mark.slow
 
@@ -139,7 +142,10 @@ def test_kill9_after_a_checkpoint_resumes_from_disk_and_bad_files_fall_back(tmp_
     c2.kill(signal.SIGKILL)
     assert re.search(rf"WARNING .*session {zid}: saved KV not used \(truncated", rest_of_log(c2))
     xfile = kv / (xid + ".safetensors")
-    (kv / f".{xfile.name}.0badc0de.tmp").write_bytes(xfile.read_bytes()[:1000])  # a write cut by kill -9
+    cut = kv / f".{xfile.name}.0badc0de.tmp"
+    cut.write_bytes(xfile.read_bytes()[:1000])  # a write cut by kill -9 ...
+    old = time.time() - STALE_TEMP_S - 60  # ... long enough ago not to be a fleet peer's write in progress
+    os.utime(cut, (old, old))
     c3 = Daemon(db, *TIER_ARGS, "--checkpoint-idle-s", "0").start()
     try:
         async def third():

@@ -17,6 +17,7 @@ import time
 
 import orjson
 import pytest
+from conftest import Client, settled_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not (shutil.which("chromium") and shutil.which("chromedriver")),
@@ -154,7 +155,6 @@ def shown_figures(browser):
 
 def daemon_figures(daemon, session_id, token):
     """The session's settled stats from the daemon over a websocket of the test's own, as the page words them."""
-    from conftest import Client, settled_stats
 
     async def go():
         c = await Client.open(daemon.url)
