@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from kernel_build import require_kernels  # tests/ is on sys.path (its conftest.py)
 
 from streamchat.model import card
 from streamchat.text.chat import ChatFormat, Frames
@@ -81,8 +82,7 @@ def test_a_second_core_start_reads_the_card_and_compares_no_blocks(monkeypatch):
     from streamchat.kernels import cpu
     from streamchat.model import runner
 
-    if cpu.library() is None:
-        pytest.skip("no C compiler on PATH: the CPU kernels (and their GGUF blocks) are not used")
+    require_kernels()  # a skip only without a C compiler; a failed build fails here with its message
     calls = []
     real = cpu.Groups.decodes_to
     monkeypatch.setattr(cpu.Groups, "decodes_to", lambda self, w: calls.append(1) or real(self, w))
