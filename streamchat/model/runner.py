@@ -77,7 +77,7 @@ def load_model(cfg: ModelConfig, measure=None, use_card: bool = False) -> Loaded
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     card_file = card.card_path(Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(), source.folder,
-                               source.fingerprint)
+                               source.fingerprint) if use_card else None  # stats the folder's files
     hf_config, tokenizer = _config_and_tokenizer(source, card_file, use_card)
     backend = make_backend(cfg.attention_backend, device)
     model_class = registry.model_class(hf_config.model_type)
@@ -99,7 +99,7 @@ def load_model(cfg: ModelConfig, measure=None, use_card: bool = False) -> Loaded
     return loaded
 
 
-def _config_and_tokenizer(source: ModelSource, path: Path, use_card: bool):
+def _config_and_tokenizer(source: ModelSource, path: Path | None, use_card: bool):
     found = card.read(path) if use_card else None
     if found is not None:
         return found
