@@ -76,13 +76,15 @@ def test_chat_in_a_pty_streams_cancels_and_resumes(daemon, env, tmp_path):
         child.send("Say hello to me.\r")
         child.expect(r"\x1b\[\?2004l")  # the prompt is done; the reply follows
         child.expect(STATUS)
-        assert int(child.match.group(1)) > 0
+        replied = int(child.match.group(1))  # 24, or fewer where this CPU's greedy path meets EOS
+        assert replied > 0
         assert child.before.count("\x1b[2K") >= 2, child.before  # drawn piece by piece as it streamed
         prompt(child)
         child.send("/show stats\r")
         child.expect(STATS)
         context = int(child.match.group(1).replace(",", ""))
-        assert context > 24 and child.match.group(3) == "0"
+        # The user's four words and their frame, then the reply: nothing evicted.
+        assert context >= replied + 4 and child.match.group(3) == "0", (context, replied)
         prompt(child)
 
         child.send("/set max_tokens 200\r")
