@@ -254,6 +254,8 @@ def build_engine(config):
 
 
 def core_info(engine, config) -> wire.CoreInfo:
+    import torch
+
     from streamchat.engine.figures import take_snapshot
     from streamchat.text.tokenizer import export_tokenizer
 
@@ -264,6 +266,7 @@ def core_info(engine, config) -> wire.CoreInfo:
         pid=os.getpid(), model_name=loaded.source.name, model_path=str(loaded.source.gguf or loaded.source.folder),
         model_folder=str(loaded.source.folder), tokenizer_json=export_tokenizer(loaded.tokenizer),
         frames=engine.chat.frames, device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
-        weights=loaded.weights, attention=model.backend.name, kv_dtype=engine.runner.kv_dtype,
+        weights=loaded.weights, activations=loaded.activations, threads=torch.get_num_threads(),
+        attention=model.backend.name, kv_dtype=engine.runner.kv_dtype,
         kv_dtype_reason=engine.runner.kv_dtype_reason, data_dir=data_dir,
         snapshot=take_snapshot(engine))

@@ -56,6 +56,8 @@ class CoreInfo:
     device: str
     dtype: str
     weights: str
+    activations: str  # decode rows' products with grouped weights: float32 or int8
+    threads: int  # torch's intra-op threads in the core (--num-threads, or torch's default)
     attention: str
     kv_dtype: str  # as served (auto resolved)
     kv_dtype_reason: str  # why: as configured, or what auto measured

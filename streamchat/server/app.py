@@ -108,7 +108,8 @@ class Daemon:
             "address": f"ws://{cfg.server.host}:{self.port}{REALTIME_PATH}", "model": self.model_name,
             "model_path": info.model_path, "served_model_names": list(self.served_names),
             "any_model_name": self.any_model_name, "engine_pid": info.pid,
-            "device": info.device, "dtype": info.dtype, "weights": info.weights, "attention": info.attention,
+            "device": info.device, "dtype": info.dtype, "weights": info.weights,
+            "decode_activations": info.activations, "threads": info.threads, "attention": info.attention,
             "kv_blocks": snap.kv_blocks_total, "kv_block_tokens": cfg.cache.block_size,
             "kv_bytes": snap.kv_blocks_total * snap.kv_bytes_per_block, "kv_dtype": info.kv_dtype,
             "kv_dtype_reason": info.kv_dtype_reason,
@@ -123,7 +124,8 @@ class Daemon:
         sampling = ", ".join(f"{k} {v:g}" for k, v in f["sampling"].items())
         rows = {
             "model": f"{f['model']} from {f['model_path']}; clients may name it: {names}",
-            "compute": f"{f['device']}, {f['dtype']}, {f['weights']} weights, {f['attention']} attention "
+            "compute": f"{f['device']}, {f['dtype']}, {f['weights']} weights ({f['decode_activations']} decode "
+                       f"activations), {f['attention']} attention, {f['threads']} threads "
                        f"(engine core pid {f['engine_pid']})",
             "kv pool": f"{f['kv_blocks']} blocks of {f['kv_block_tokens']} tokens, "
                        f"{f['kv_bytes'] / 2**20:.1f} MiB ({f['kv_dtype']} kv dtype: {f['kv_dtype_reason']}); "

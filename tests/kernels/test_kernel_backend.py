@@ -81,14 +81,19 @@ def test_tiny_llama_steps_match_torch_backend(kv_dtype):
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="compiled kernels: " + (
     "no CUDA device" if not torch.cuda.is_available() else "TRITON_INTERPRET=1 was set"))
 def test_bundled_model_generates_the_same_tokens():
-    """SmolLM2-135M in float32 generates the same 48 greedy tokens with either backend."""
+    """SmolLM2-135M in float32 generates the same 48 greedy tokens with either backend, and with the
+    Triton backend's decode steps replayed as CUDA graphs (--cuda-graphs, the default) or launched
+    eagerly (--cuda-graphs false)."""
     from streamchat.config import Config, ModelConfig
     from streamchat.llm import LLM
 
     prompts = ["Tell me about paged attention.", "Write a haiku about caches.", "What is 17 * 23?"]
     replies = {}
-    for backend in ("torch", "triton"):
-        llm = LLM(Config(model=ModelConfig(attention_backend=backend, dtype="float32", device="cuda")))
-        replies[backend] = [r.token_ids for r in llm.chat(prompts, max_tokens=48)]
+    for backend, graphs in (("torch", True), ("triton", True), ("triton", False)):
+        llm = LLM(Config(model=ModelConfig(attention_backend=backend, dtype="float32", device="cuda",
+                                           cuda_graphs=graphs)))
+        assert llm.runner.static.use_graphs is (graphs and backend == "triton")
+        replies[backend, graphs] = [r.token_ids for r in llm.chat(prompts, max_tokens=48)]
+        assert bool(llm.runner.static.graphs) is llm.runner.static.use_graphs  # captured only when asked
         del llm
-    assert replies["triton"] == replies["torch"]
+    assert replies["triton", True] == replies["triton", False] == replies["torch", True]

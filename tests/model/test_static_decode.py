@@ -107,3 +107,13 @@ def test_cuda_graphs_refuse_a_cpu_model(loaded):
     """Asking for graphs off CUDA is a clear error, not a silent eager run."""
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         StaticDecode(loaded.model, [], BS, 4, 4, graphs=True)
+
+
+def test_cuda_graphs_flag_is_ignored_off_cuda(loaded):
+    """--cuda-graphs (on by default) asks for graphs only where they exist: a CPU runner decodes eagerly
+    through the same buffers and captures nothing (the gpu test in test_kernel_backend checks both
+    settings on a device)."""
+    cache = CacheConfig(block_size=BS, num_blocks=40, window_tokens=64)
+    for graphs in (True, False):
+        runner = ModelRunner(loaded, cache, max_batch=2, cuda_graphs=graphs)
+        assert runner.static.use_graphs is False and runner.static.graphs == {}

@@ -1,6 +1,6 @@
 """`streamchat serve` flags shown taking effect in a running daemon, each by what it changes.
 
-Two daemons, each started once for the module and each flag checked by its own effect:
+Three daemons, each started once for the module and each flag checked by its own effect:
 
 - `stored`: int8 KV, h2o eviction, the torch attention backend, a pool sized by --kv-memory-gib,
   --pin-system-prompt false, --log-level DEBUG, --cache-dir, a non-loopback --host and
@@ -9,6 +9,8 @@ Two daemons, each started once for the module and each flag checked by its own e
 - `limited`: --max-running 1 with a short --queue-timeout-s (overloaded), a short
   --engine-call-timeout-s (engine_unavailable), int4 KV on the cpu attention backend, and a
   --shutdown-timeout-s that bounds a SIGTERM even when the engine core is frozen.
+- `tuned`: one thread, int8 weights with int8 decode activations, fp8 KV, 32-token blocks, 40 sink
+  tokens, and an engine restart window short enough to let two core deaths pass.
 
 Both pass --kv-dtype explicitly: auto measures the storages for minutes at a model's first start.
 """
@@ -428,3 +430,87 @@ def test_sigterm_with_a_frozen_engine_exits_within_the_shutdown_timeout(limited)
             break
         assert time.monotonic() < deadline, f"engine core {pid} still alive in state {state}"
         time.sleep(0.1)
+
+# -- compute and cache shape --------------------------------------------------------------------
+
+TUNED_BLOCK, TUNED_SINK, TUNED_WINDOW, TUNED_RESTART_WINDOW_S = 32, 40, 64, 4.0
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("tuned") / "s.db", "--num-threads", "1", "--weights", "int8",
+               "--decode-activations", "int8", "--kv-dtype", "fp8", "--block-size", str(TUNED_BLOCK),
+               "--sink-tokens", str(TUNED_SINK), "--window-tokens", str(TUNED_WINDOW), "--device", "cpu",
+               "--max-engine-restarts", "1", "--engine-restart-window-s", str(TUNED_RESTART_WINDOW_S),
+               "--log-format", "json").start()
+    yield d
+    d.stop()
+
+
+def test_tuned_daemon_computes_as_its_flags_ask(tuned):
+    """--num-threads 1, --weights int8, --decode-activations int8 and --kv-dtype fp8, as the engine
+    core reports them after building its model and pool (not as the front was told)."""
+    import torch
+
+    from streamchat.kernels import quant
+
+    [ready] = [r for r in log_records(tuned) if r["message"].startswith("streamchat ready on")]
+    assert (ready["threads"], ready["weights"], ready["decode_activations"]) == (1, "int8", "int8"), ready
+    assert ready["kv_dtype"] == "fp8" and ready["kv_block_tokens"] == TUNED_BLOCK
+    h = health(tuned)
+    assert h["kv_bytes_per_token"] == quant.bytes_per_token("fp8", torch.float32, 30, 3, 64)
+    assert h["kv_blocks"]["block_size"] == TUNED_BLOCK
+
+
+def test_block_size_and_sink_tokens_shape_what_eviction_keeps(tuned):
+    """--block-size 32 and --sink-tokens 40 (two sink blocks) with a 64-token window: eviction takes
+    whole 32-token blocks, and what stays is the 64 sink tokens plus more than one block less than the
+    window (with the default 4 sink tokens, or 16-token blocks, the bounds below would not hold)."""
+    async def go():
+        c = await Client.open(tuned.url)
+        for text in ("Count from one to twenty in words.", "Now count down from twenty to one."):
+            await turn(c, text, max_tokens=48)
+        st = await stats(c)
+        await c.close()
+        return st
+
+    st = asyncio.run(go())
+    sink_region = 2 * TUNED_BLOCK  # 40 sink tokens round up to two blocks
+    assert st["evicted_tokens"] > 0 and st["evicted_tokens"] % TUNED_BLOCK == 0, st
+    assert sink_region + TUNED_WINDOW - TUNED_BLOCK < st["context_tokens"] <= sink_region + TUNED_WINDOW, st
+    assert st["blocks"]["owned"] + st["blocks"]["shared"] == -(-st["context_tokens"] // TUNED_BLOCK), st
+
+
+def wait_engine_start(d, starts: int, deadline_s: float = 180) -> dict:
+    """/healthz once the daemon's engine core has started `starts` times and is ready; fails loudly."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        assert d.proc.poll() is None, f"the daemon exited with code {d.proc.returncode}"
+        h = health(d)
+        if h["engine"]["starts"] == starts and h["status"] == "ok":
+            return h
+        assert time.monotonic() < deadline, f"engine start {starts} never came: {h}"
+        time.sleep(0.2)
+
+
+def test_engine_deaths_further_apart_than_the_restart_window_are_survived(tuned):
+    """--max-engine-restarts 1 with --engine-restart-window-s 4: two core deaths more than 4 s apart are
+    each restarted and the daemon serves on (with the default 300 s window, the second would be the one
+    too many: /healthz 503 and exit 1, as test_boundary_daemon shows for --max-engine-restarts 0)."""
+    first = health(tuned)["engine"]
+    os.kill(first["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    second = wait_engine_start(tuned, first["starts"] + 1)["engine"]
+    assert second["pid"] != first["pid"]
+    time.sleep(max(0.0, killed + TUNED_RESTART_WINDOW_S + 1 - time.monotonic()))  # out of the window
+    os.kill(second["pid"], signal.SIGKILL)
+    third = wait_engine_start(tuned, first["starts"] + 2)["engine"]
+    assert third["pid"] not in (first["pid"], second["pid"])
+
+    async def go():
+        c = await Client.open(tuned.url)
+        text = await turn(c, "Name a planet.", max_tokens=6)
+        await c.close()
+        return text
+
+    assert asyncio.run(go()).strip() and health(tuned)["status"] == "ok" and tuned.proc.poll() is None
