@@ -20,8 +20,11 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/streamchat serve $(ARGS)
 
+# Two pytest-xdist workers, each taking whole test files (module fixtures such as a test file's
+# daemon stay in one worker, in file order); TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP) browser postgres haproxy
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The web page's test drives a headless Chromium through chromedriver: Debian's
 # chromium and chromium-driver, installed with apt-get when missing (as root,

@@ -63,6 +63,7 @@ class EngineCore:
         self.config = config
         self.engine = engine
         self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)  # the default; the outputs socket sets its own (finite) linger
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.samples: list[tuple[str, float]] = []

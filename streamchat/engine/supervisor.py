@@ -49,6 +49,9 @@ class CoreSupervisor:
         self._log = (log_level, log_format)
         self._engine = engine
         self.ctx = zmq.asyncio.Context()
+        # Every socket's default: drop unsent messages on close. A context garbage-collected with a socket
+        # still holding a command for a dead core would otherwise block its finaliser forever in term().
+        self.ctx.setsockopt(zmq.LINGER, 0)
         self._dir = tempfile.mkdtemp(prefix="streamchat-core-")  # private (0700): the sockets live here
         self.info: wire.CoreInfo | None = None
         self.snapshot = EngineSnapshot()
@@ -195,11 +198,11 @@ class CoreSupervisor:
         """Ask the core to end after its current step; False if it had to be killed."""
         self._stopping = True
         proc = self._proc
-        if proc is None or not proc.is_alive() or self._socks is None:
+        if proc is None or not _running(proc) or self._socks is None:
             return True
         await self.send([wire.STOP])
         await asyncio.to_thread(proc.join, timeout_s)
-        if proc.is_alive():
+        if _running(proc):
             self._kill()
             return False
         return True
@@ -215,7 +218,7 @@ class CoreSupervisor:
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.is_alive()
+        return self._proc is not None and _running(self._proc)
 
     @property
     def restarting(self) -> bool:
@@ -227,7 +230,7 @@ class CoreSupervisor:
         task.add_done_callback(self._tasks.discard)
 
     def _kill(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
+        if self._proc is not None and _running(self._proc):
             self._proc.kill()
 
     def _close_sockets(self) -> None:
@@ -291,3 +294,11 @@ class CoreSupervisor:
         self.fail_in_flight("engine_unavailable", f"the engine has stopped: {reason}")
         if self.on_fatal is not None:
             self.on_fatal(reason)
+
+
+def _running(proc) -> bool:
+    """Whether a core's process (or thread) runs; one that `_exited` has closed meanwhile has ended."""
+    try:
+        return proc.is_alive()
+    except ValueError:  # "process object is closed"
+        return False

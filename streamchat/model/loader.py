@@ -125,6 +125,10 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         state = {k: v.contiguous() for k, v in model.state_dict().items()
                  if not (config.tie_word_embeddings and k == "lm_head.weight")}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process (a second daemon, a test worker) renamed its conversion first
+            if not (target / "model.safetensors").is_file():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -20,7 +20,8 @@ import urllib.request
 from websockets.asyncio.client import connect
 
 SMALL = ["--max-output-tokens", "256", "--max-text-chars", "20000", "--max-frame-bytes", "65536",
-         "--num-threads", "2", "--kv-dtype", "float"]  # float: auto measures at a model's first start
+         "--num-threads", os.environ.get("TEST_NUM_THREADS", "2"), "--kv-dtype", "float", "--dtype", "float32"]  # float: auto measures at a model's
+# first start; float32: see tests/server/conftest.py's DAEMON_ARGS
 
 
 class RealDaemon:

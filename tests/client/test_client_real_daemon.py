@@ -38,7 +38,8 @@ def daemon(tmp_path_factory):
 @pytest.fixture
 def env(tmp_path):
     """A private session file (XDG_STATE_HOME) and the daemon's key in the environment."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("STREAMCHAT_")}
+    # COLUMNS and LINES (pytest-xdist's workers set 80 x 24) would override the pty's own size
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("STREAMCHAT_") and k not in ("COLUMNS", "LINES")}
     return dict(environ, XDG_STATE_HOME=str(tmp_path / "state"), PYTHONIOENCODING="utf-8",
                 STREAMCHAT_API_KEY=KEY)
 

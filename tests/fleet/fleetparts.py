@@ -27,7 +27,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "haproxy.cfg"
-SMALL = ["--num-blocks", "300", "--window-tokens", "256", "--max-output-tokens", "256", "--num-threads", "1",
+# float32: see tests/server/conftest.py's DAEMON_ARGS
+SMALL = ["--dtype", "float32", "--num-blocks", "300", "--window-tokens", "256", "--max-output-tokens", "256",
+         "--num-threads", "1",
          "--kv-dtype", "float", "--host-tier-gib", "0", "--shutdown-timeout-s", "10"]
 
 

@@ -74,7 +74,7 @@ def test_rope_other_than_plain_writes_no_card(bundled_fp32, tmp_path):
     assert not path.exists()
 
 
-def test_a_second_core_start_reads_the_card_and_compares_no_blocks(monkeypatch):
+def test_a_second_core_start_reads_the_card_and_compares_no_blocks(monkeypatch, tmp_path):
     """A core's first load writes the card, compares the GGUF's blocks with the converted weights and marks
     the card; the next load in the same format skips the comparison (another format would not), and a
     core process started with the card never imports transformers."""
@@ -86,17 +86,23 @@ def test_a_second_core_start_reads_the_card_and_compares_no_blocks(monkeypatch):
     calls = []
     real = cpu.Groups.decodes_to
     monkeypatch.setattr(cpu.Groups, "decodes_to", lambda self, w: calls.append(1) or real(self, w))
-    path = card.card_path(runner.default_cache_dir(), *_bundled_folder_and_fingerprint())
-    path.with_suffix(".bf16.checked").unlink(missing_ok=True)
+    # A cache folder of its own (the converted model linked in): no other test's core start, in this
+    # process or in another test worker, marks the blocks checked between the two loads. float32:
+    # only there do a GGUF's blocks serve decode rows (bfloat16 machines would dequantize them all).
+    folder, fingerprint = _bundled_folder_and_fingerprint()
+    (tmp_path / folder.name).symlink_to(folder, target_is_directory=True)
+    cfg = ModelConfig(num_threads=1, dtype="float32", cache_dir=str(tmp_path))
+    path = card.card_path(tmp_path, folder, fingerprint)
     counts = []
     for _ in range(2):
         calls.clear()
-        runner.load_model(ModelConfig(num_threads=1), use_card=True)
+        runner.load_model(cfg, use_card=True)
         counts.append(len(calls))
     assert counts[0] > 0 and counts[1] == 0, counts
     assert card.blocks_checked(path, "bf16") and not card.blocks_checked(path, "int8")
     code = ("import sys; from streamchat.config import ModelConfig; from streamchat.model import runner; "
-            "lm = runner.load_model(ModelConfig(num_threads=1), use_card=True); "
+            f"lm = runner.load_model(ModelConfig(num_threads=1, dtype='float32', cache_dir={str(tmp_path)!r}), "
+            "use_card=True); "
             "print(type(lm.tokenizer).__name__, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

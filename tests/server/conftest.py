@@ -14,8 +14,12 @@ from websockets.asyncio.client import connect
 
 # --kv-dtype float: auto (the default) measures the storages at a model's first start, longer than a
 # daemon test waits; tests/model/test_kv_auto.py tests auto.
-DAEMON_ARGS = ["--num-blocks", "400", "--window-tokens", "256", "--max-output-tokens", "256",
-               "--max-text-chars", "20000", "--max-frame-bytes", "65536", "--num-threads", "2", "--kv-dtype", "float"]
+# --dtype float32: the greedy equality checks compare replies computed along different paths (a prefix-cache
+# hit, a resume, a restart), which are equal in float32; "auto" is bfloat16 on CPUs with avx512_bf16, where
+# such paths round differently and a near-tie can flip a greedy token.
+DAEMON_ARGS = ["--dtype", "float32", "--num-blocks", "400", "--window-tokens", "256", "--max-output-tokens", "256",
+               "--max-text-chars", "20000", "--max-frame-bytes", "65536", "--num-threads", os.environ.get("TEST_NUM_THREADS", "2"),
+               "--kv-dtype", "float"]
 
 
 def _die_with_parent() -> None:

@@ -37,7 +37,8 @@ async def daemon(tmp_path, monkeypatch, *extra):
     parser = argparse.ArgumentParser()
     settings.add_flags(parser)
     args = parser.parse_args(["--port", "0", "--database-url", f"sqlite:///{tmp_path / 'b.db'}",
-                              "--num-blocks", "200", "--window-tokens", "256", "--num-threads", "2",
+                              "--num-blocks", "200", "--window-tokens", "256",
+                              "--num-threads", os.environ.get("TEST_NUM_THREADS", "2"),
                               "--data-dir", str(tmp_path / "kv"), *extra])
     d = Daemon(settings.load(args, environ={}))
     await d.start()

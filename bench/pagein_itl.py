@@ -1,0 +1,180 @@
+"""Does resuming sessions from disk slow a reply that is streaming? Through the daemon, interleaved rounds.
+
+    python bench/pagein_itl.py                        # 3 rounds, 3 sessions of ~1,000 tokens each
+    python bench/pagein_itl.py --rounds 1 --sessions 2 --history 300   # a smoke run
+
+The daemon runs on its defaults plus `--session-idle-release-s 1 --checkpoint-idle-s 0`,
+so a session whose client leaves is saved to disk and leaves memory a second
+later. Each round, --sessions sessions bring about --history tokens of the
+shipped Botchan text and leave; once /healthz counts none in memory, one
+session streams two greedy replies of --tokens tokens in turn:
+
+    quiet     nothing else happens
+    resumes   after its 20th token, the saved sessions are resumed one after
+              another (`streamchat.session.resume`, each `restored_from: disk`)
+              and closed again
+
+The disk files are read and checked on the engine core's I/O thread, never
+inside a step, so the gaps between the second reply's tokens while the
+resumes run should be those of the first (target: median within 20%).
+Printed per round and pooled: the median and p90 gap of the quiet reply
+(after its 5th token), of the resumed one while the resumes ran, their ratio,
+and the resumes' wall time. Never asserts; exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import common
+import orjson
+from longchat import StreamchatDaemon, histories, send
+
+REPLY_PROMPT = "Write the numbers from 1 to 500, one per line."  # greedy: counts on to max_output_tokens
+RESUME_AFTER = 20  # tokens of the second reply before the resumes start
+
+
+def healthz(url: str) -> dict:
+    base = url.replace("ws://", "http://").removesuffix("/v1/realtime")
+    return orjson.loads(urllib.request.urlopen(base + "/healthz", timeout=10).read())
+
+
+async def connect(url: str):
+    from websockets.asyncio.client import connect as ws_connect
+
+    ws = await ws_connect(url, max_size=None, open_timeout=60, ping_timeout=None)
+    return ws, orjson.loads(await ws.recv())
+
+
+async def until(ws, type_: str) -> dict:
+    while True:
+        e = orjson.loads(await ws.recv())
+        if e["type"] == "error":
+            raise RuntimeError(f"daemon error: {e['error']}")
+        if e["type"] == type_:
+            return e
+
+
+async def save_sessions(url: str, texts: list[str]) -> list[tuple[str, str]]:
+    """Sessions with a history and a one-token reply, left; (id, resume token) each."""
+    saved = []
+    for text in texts:
+        ws, created = await connect(url)
+        for i in range(0, len(text), 4000):
+            await send(ws, {"type": "streamchat.input_text.append", "text": text[i:i + 4000]})
+        await send(ws, {"type": "streamchat.input_text.commit"})
+        await send(ws, {"type": "response.create", "response": {"max_output_tokens": 1, "temperature": 0}})
+        await until(ws, "response.done")
+        saved.append((created["session"]["id"], created["session"]["resume_token"]))
+        await ws.close()
+    return saved
+
+
+async def stream(ws, tokens: int, stamps: list[float]) -> dict:
+    await send(ws, {"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": REPLY_PROMPT}]}})
+    await send(ws, {"type": "response.create", "response": {"max_output_tokens": tokens, "temperature": 0}})
+    while True:
+        e = orjson.loads(await ws.recv())
+        if e["type"] == "response.output_text.delta":
+            stamps.append(time.perf_counter())
+        elif e["type"] == "response.done":
+            return e["response"]
+
+
+async def resume_all(url: str, saved: list[tuple[str, str]]) -> list[str]:
+    origins = []
+    for sid, token in saved:
+        ws, _ = await connect(url)
+        await send(ws, {"type": "streamchat.session.resume", "session_id": sid, "resume_token": token})
+        origins.append((await until(ws, "streamchat.session.resumed"))["restored_from"])
+        await ws.close()
+    return origins
+
+
+def gaps(stamps: list[float], start: float = float("-inf"), end: float = float("inf"), skip: int = 5) -> list[float]:
+    return [b - a for a, b in list(zip(stamps, stamps[1:]))[skip:] if start <= b <= end]
+
+
+async def one_round(url: str, texts: list[str], tokens: int) -> dict:
+    saved = await save_sessions(url, texts)
+    deadline = time.monotonic() + 120
+    while (h := healthz(url))["sessions"] or h["sessions_in_engine"]:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the idle sessions did not leave memory in 120 s")
+        await asyncio.sleep(0.2)
+    ws, _ = await connect(url)
+    quiet: list[float] = []
+    await stream(ws, tokens, quiet)
+    busy: list[float] = []
+    task = asyncio.create_task(stream(ws, tokens, busy))
+    while len(busy) < RESUME_AFTER and not task.done():
+        await asyncio.sleep(0.005)
+    t0 = time.perf_counter()
+    origins = await resume_all(url, saved)
+    t1 = time.perf_counter()
+    done = await task
+    await ws.close()
+    during = gaps(busy, t0, t1, skip=0)
+    if done["status"] not in ("completed", "incomplete") or not busy or busy[-1] < t1:
+        print("  the reply ended before the resumes did: raise --tokens", file=sys.stderr)
+    return {"quiet": gaps(quiet), "during": during, "resume_s": t1 - t0, "origins": origins}
+
+
+def summary(quiet: list[float], during: list[float]) -> dict:
+    q50, d50 = common.median(quiet), common.median(during)
+    return {"quiet_p50_ms": common.ms(q50), "quiet_p90_ms": common.ms(common.percentile(quiet, 90)),
+            "during_p50_ms": common.ms(d50), "during_p90_ms": common.ms(common.percentile(during, 90)),
+            "gaps_during": len(during), "ratio_p50": common.ratio(d50, q50)}
+
+
+async def run(args) -> list[dict]:
+    texts = histories(args.sessions * args.rounds, args.history)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, StreamchatDaemon(Path(tmp), args) as d:
+        for r in range(args.rounds):
+            got = await one_round(d.url, texts[r * args.sessions:(r + 1) * args.sessions], args.tokens)
+            rows.append(got)
+            s = summary(got["quiet"], got["during"])
+            print(f"  round {r + 1}: quiet p50 {s['quiet_p50_ms']:.1f} ms, during {len(got['during'])} gaps "
+                  f"p50 {common.fmt(s['during_p50_ms'], 0)} ms; {len(got['origins'])} resumes in "
+                  f"{got['resume_s']:.2f} s from {sorted(set(got['origins']))}", file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", type=int, default=3, help="sessions resumed from disk each round")
+    p.add_argument("--history", type=int, default=1000, help="tokens of history per saved session (about)")
+    p.add_argument("--tokens", type=int, default=160, help="tokens of each streamed reply")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--daemon-arg", action="append", default=[], help="extra `streamchat serve` flag (repeatable)")
+    args = p.parse_args(argv)
+    args.daemon_arg = ["--session-idle-release-s", "1", "--checkpoint-idle-s", "0", *args.daemon_arg]
+    common.passive_omp()
+    rows = asyncio.run(run(args))
+    quiet = [g for r in rows for g in r["quiet"]]
+    during = [g for r in rows for g in r["during"]]
+    s = summary(quiet, during)
+    origins = [o for r in rows for o in r["origins"]]
+    print(f"{args.rounds} rounds x {args.sessions} disk resumes of ~{args.history} tokens while a reply streams")
+    print(f"{'':10}{'p50 ms':>10}{'p90 ms':>10}{'gaps':>8}")
+    print(f"{'quiet':10}{common.fmt(s['quiet_p50_ms'])}{common.fmt(s['quiet_p90_ms'])}{len(quiet):>8}")
+    print(f"{'resumes':10}{common.fmt(s['during_p50_ms'])}{common.fmt(s['during_p90_ms'])}{len(during):>8}")
+    print(f"median gap while resuming / quiet: {common.fmt(s['ratio_p50'], 0, 3)} (target <= 1.2); "
+          f"{origins.count('disk')} of {len(origins)} resumes from disk")
+    print(json.dumps(common.rounded({**s, "resumes": len(origins), "from_disk": origins.count("disk"),
+                                     "resume_s": [r["resume_s"] for r in rows]})))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
