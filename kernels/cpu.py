@@ -154,8 +154,10 @@ class Groups:
         return sum(t.nbytes for t in (self.q, self.scale, self.zero) if t is not None)
 
     def decodes_to(self, weight: torch.Tensor) -> bool:
-        """Whether these groups widen to exactly `weight` (N, K) float32."""
-        return torch.equal(self.dequantize(dense_scratch(self.n * self.k)), weight)
+        """Whether these groups widen to exactly `weight` (N, K) float32, or to what a bfloat16 `weight`
+        is (the float32 weight rounded: the groups then hold it unrounded)."""
+        wide = self.dequantize(dense_scratch(self.n * self.k))
+        return torch.equal(wide if weight.dtype == torch.float32 else wide.to(weight.dtype), weight)
 
     def _ptrs(self) -> tuple:
         return (self.q.data_ptr(), self.bits, self.scale.data_ptr(),

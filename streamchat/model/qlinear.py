@@ -40,6 +40,11 @@ INT4_ROWS = 16  # the int4 packer wants out_features in multiples of this
 COMPUTE_DTYPE = torch.bfloat16
 
 
+# Decode rows up to here multiply a bfloat16 model's GGUF groups in float32 (DenseLinear); more go to the
+# bf16 GEMM. Measured through the daemon on a 2-core EPYC with avx512_bf16 (bench/longchat.py).
+BF16_GROUP_ROWS = 4
+
+
 class Linear(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -53,13 +58,21 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  groups: "cpu.Groups | None" = None, x8: bool = False) -> None:
         self.weight, self.bias, self.groups, self.x8 = weight, bias, groups, x8
-        self.skinny = weight.device.type == "cpu" and weight.dtype == torch.float32 and bias is None
+        cpu_dense = weight.device.type == "cpu" and bias is None
+        self.skinny = cpu_dense and weight.dtype == torch.float32
+        # bfloat16: oneDNN's bf16 GEMM is fast on a batch but reads W slowly for a row or two, where the
+        # groups (W unrounded, a quarter of the bytes) multiply in float32 and the result is rounded back
+        self.bf16_rows = BF16_GROUP_ROWS if cpu_dense and weight.dtype == torch.bfloat16 and groups is not None else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.skinny and x.dim() == 2 and x.shape[0] <= cpu.SKINNY_MAX_ROWS:
             y = self.groups.matmul(x, self.x8) if self.groups is not None else cpu.skinny_linear(x, self.weight)
             if y is not None:
                 return y
+        if x.dim() == 2 and x.shape[0] <= self.bf16_rows:
+            y = self.groups.matmul(x.float(), self.x8)
+            if y is not None:
+                return y.to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
     @property

@@ -124,11 +124,11 @@ def _config_and_tokenizer(source: ModelSource, path: Path | None, use_card: bool
 
 
 def _gguf_raw(source: ModelSource, hf_config, weights: str, device: torch.device, dtype: torch.dtype):
-    """The GGUF's stored tensors when a format may use its blocks (int4; dense on CPU in float32, for
-    decode rows); None otherwise."""
+    """The GGUF's stored tensors when a format may use its blocks (int4; dense on CPU in float32 or
+    bfloat16, for decode rows); None otherwise."""
     from streamchat.kernels import cpu
 
-    dense_groups = device.type == "cpu" and dtype == torch.float32 and cpu.library() is not None
+    dense_groups = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu.library() is not None
     if source.gguf is None or not (weights in ("int4", "auto") or dense_groups):
         return None
     if hf_config.model_type not in registry.LLAMA_FAMILY:  # gguf_raw knows the Llama family's tensor names only

@@ -114,10 +114,11 @@ class LinearBuilder:
 
     def _groups(self, w: dict[str, torch.Tensor], names: list[str]) -> "cpu.Groups | None":
         """The fused projection as the GGUF stores it, for the CPU kernels: every part 4-bit, or one
-        Q8_0 matrix, each decoding to exactly its dense float32 weight; None otherwise."""
+        Q8_0 matrix, each decoding to exactly its dense float32 weight (in bfloat16: to it once rounded);
+        None otherwise."""
         raws = [self.raw.get(n) for n in names]
         if (any(r is None for r in raws) or w[names[0]].device.type != "cpu"
-                or w[names[0]].dtype != torch.float32 or cpu.library() is None):
+                or w[names[0]].dtype not in (torch.float32, torch.bfloat16) or cpu.library() is None):
             return None
         if all(r.qtype in GGUF_INT4 for r in raws):
             parts = [q4_groups(r.data, r.qtype) for r in raws]

@@ -377,3 +377,31 @@ def test_bundled_greedy_text(weights):
     assert llm.loaded.weights == weights and llm.loaded.source.fingerprint.endswith("+" + weights)
     [reply] = llm.chat(["What is the capital of France?"], max_tokens=12)
     assert "Paris" in reply.text
+
+
+@pytest.mark.slow
+def test_bfloat16_decode_rows_multiply_the_unrounded_groups(bundled_fp32, bundled_raw):
+    """In bfloat16 on CPU, a projection keeps the GGUF's groups (they decode to its weight once rounded):
+    up to BF16_GROUP_ROWS rows multiply them in float32 and round the result (twice the bf16 GEMM's
+    speed for one session, measured); more rows take the bf16 GEMM, and both agree to bf16's precision."""
+    from kernel_build import require_kernels
+
+    from streamchat.model.qlinear import BF16_GROUP_ROWS
+
+    require_kernels()
+    state = load_state(bundled_fp32.source.folder)
+    names = ["model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight"]
+    w = {n: state[n].to(torch.bfloat16) for n in names}
+    builder = LinearBuilder("bf16", bundled_raw)
+    lin = builder.layer(w, names)
+    assert isinstance(lin, DenseLinear) and lin.groups is not None and lin.bf16_rows == BF16_GROUP_ROWS > 0
+    assert builder.mismatches == 0
+    x = torch.randn(BF16_GROUP_ROWS + 1, 576, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    few, many = lin(x[:BF16_GROUP_ROWS]), lin(x)
+    assert torch.equal(few, lin.groups.matmul(x[:BF16_GROUP_ROWS].float()).to(torch.bfloat16))
+    assert torch.equal(many, F.linear(x, lin.weight))
+    torch.testing.assert_close(few.float(), many[:BF16_GROUP_ROWS].float(), atol=0.05, rtol=0.02)
+    w[names[0]] = w[names[0]].clone()
+    w[names[0]][0, 0] += 1  # a weight the blocks do not decode to: no groups, the GEMM for every row
+    other = LinearBuilder("bf16", bundled_raw)
+    assert other.layer(w, names).groups is None and other.mismatches == 1
