@@ -60,3 +60,11 @@ class ThreadCore:
     def close(self) -> None:
         os.close(self.sentinel)
         os.close(self._done)
+
+
+def running(proc) -> bool:
+    """Whether a core's process (or thread) runs; one that the exit watcher closed meanwhile has ended."""
+    try:
+        return proc.is_alive()
+    except ValueError:  # "process object is closed"
+        return False

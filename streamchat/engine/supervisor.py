@@ -49,9 +49,7 @@ class CoreSupervisor:
         self._log = (log_level, log_format)
         self._engine = engine
         self.ctx = zmq.asyncio.Context()
-        # Every socket's default: drop unsent messages on close. A context garbage-collected with a socket
-        # still holding a command for a dead core would otherwise block its finaliser forever in term().
-        self.ctx.setsockopt(zmq.LINGER, 0)
+        self.ctx.setsockopt(zmq.LINGER, 0)  # or a GC'd context holding a dead core's command blocks in term()
         self._dir = tempfile.mkdtemp(prefix="streamchat-core-")  # private (0700): the sockets live here
         self.info: wire.CoreInfo | None = None
         self.snapshot = EngineSnapshot()
@@ -198,11 +196,11 @@ class CoreSupervisor:
         """Ask the core to end after its current step; False if it had to be killed."""
         self._stopping = True
         proc = self._proc
-        if proc is None or not _running(proc) or self._socks is None:
+        if proc is None or not launch.running(proc) or self._socks is None:
             return True
         await self.send([wire.STOP])
         await asyncio.to_thread(proc.join, timeout_s)
-        if _running(proc):
+        if launch.running(proc):
             self._kill()
             return False
         return True
@@ -218,7 +216,7 @@ class CoreSupervisor:
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and _running(self._proc)
+        return self._proc is not None and launch.running(self._proc)
 
     @property
     def restarting(self) -> bool:
@@ -230,7 +228,7 @@ class CoreSupervisor:
         task.add_done_callback(self._tasks.discard)
 
     def _kill(self) -> None:
-        if self._proc is not None and _running(self._proc):
+        if self._proc is not None and launch.running(self._proc):
             self._proc.kill()
 
     def _close_sockets(self) -> None:
@@ -294,11 +292,3 @@ class CoreSupervisor:
         self.fail_in_flight("engine_unavailable", f"the engine has stopped: {reason}")
         if self.on_fatal is not None:
             self.on_fatal(reason)
-
-
-def _running(proc) -> bool:
-    """Whether a core's process (or thread) runs; one that `_exited` has closed meanwhile has ended."""
-    try:
-        return proc.is_alive()
-    except ValueError:  # "process object is closed"
-        return False
