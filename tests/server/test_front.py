@@ -177,33 +177,39 @@ def test_the_cap_counts_unfinished_heads_and_answers_503(lan):
     assert asyncio.run(handshake()) == (101, None)
 
 
+async def stall(d, timeout_s=30.0):
+    """A client with a tiny receive window starts a response, stops reading, and sends 120 bad events
+    (each answered by an error of ~400 bytes: far more than the buffers hold). (Seconds from the stall
+    until /healthz shows no connection and nothing running, that /healthz, the session, the client.)"""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", d.port))
+    auth = {"Authorization": f"Bearer {KEY}"}
+    c = Client(await connect(d.url, sock=sock, compression=None, additional_headers=auth, max_size=None))
+    c.created = await c.recv()
+    await c.send({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell a story."}]}})
+    await c.until("conversation.item.done")
+    await c.send({"type": "response.create", "response": {"max_output_tokens": 200}})
+    await c.until("response.output_text.delta")
+    c.ws.transport.pause_reading()  # from here on the client reads nothing
+    for i in range(120):
+        await c.send({"type": "no.such.event", "event_id": f"{i:03d}" + "x" * 250})
+    stalled = time.monotonic()
+    h = await asyncio.to_thread(wait_health, d, lambda h: h["connections"] == 0 and h["running"] == 0, timeout_s)
+    c.ws.transport.abort()
+    return time.monotonic() - stalled, h, c.created["session"]
+
+
 def test_a_websocket_that_stops_reading_is_dropped_and_its_session_resumes(strict):
     """A client with a tiny receive window stops reading while its response runs: within
     --send-timeout-s of its buffers filling it is disconnected, the response cancelled (no session
     running), and the session resumes on a new connection."""
     async def go():
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", strict.port))
-        auth = {"Authorization": f"Bearer {KEY}"}
-        c = Client(await connect(strict.url, sock=sock, compression=None, additional_headers=auth, max_size=None))
-        c.created = await c.recv()
-        session = c.created["session"]
-        await c.send({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell a story."}]}})
-        await c.until("conversation.item.done")
-        await c.send({"type": "response.create", "response": {"max_output_tokens": 200}})
-        await c.until("response.output_text.delta")
-        c.ws.transport.pause_reading()  # from here on the client reads nothing
-        for i in range(120):  # each answered by an error of ~400 bytes: far more than the buffers hold
-            await c.send({"type": "no.such.event", "event_id": f"{i:03d}" + "x" * 250})
-        stalled = time.monotonic()
-        h = await asyncio.to_thread(wait_health, strict, lambda h: h["connections"] == 0 and h["running"] == 0)
+        took, h, session = await stall(strict)
         assert (h["connections"], h["running"]) == (0, 0)
-        assert time.monotonic() - stalled < 2 + 10, "dropped about --send-timeout-s after the buffers filled"
-        c.ws.transport.abort()
-
-        again = await Client.open(strict.url, additional_headers=auth)
+        assert took < 2 + 10, "dropped about --send-timeout-s after the buffers filled"
+        again = await Client.open(strict.url, additional_headers={"Authorization": f"Bearer {KEY}"})
         await again.send({"type": "streamchat.session.resume", "session_id": session["id"],
                           "resume_token": session["resume_token"]})
         resumed = await again.recv()
@@ -211,6 +217,17 @@ def test_a_websocket_that_stops_reading_is_dropped_and_its_session_resumes(stric
         return resumed
     resumed = asyncio.run(go())
     assert resumed["type"] == "streamchat.session.resumed" and resumed["session"]["id"]
+
+
+def test_send_queue_events_drops_a_client_whose_queue_overflows_before_the_send_timeout(tmp_path_factory):
+    """--send-queue-events 16 with a 60 s --send-timeout-s: the same stalled client is dropped as soon as
+    more than 16 events wait for it, long before the timeout (with the default 256, its 120 errors would
+    all fit and it would be held for the 60 s)."""
+    with running(tmp_path_factory, "--send-queue-events", "16", "--send-timeout-s", "60",
+                 "--send-buffer-bytes", "4096") as d:
+        took, h, _ = asyncio.run(stall(d, timeout_s=50.0))
+    assert (h["connections"], h["running"]) == (0, 0), h
+    assert took < 20, f"held {took:.1f} s: the queue limit did not drop it"
 
 
 def test_an_http_stream_that_stops_reading_is_dropped_and_cancelled(strict):
