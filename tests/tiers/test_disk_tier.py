@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tierkit import SID as SNAPSHOT_SID
 from tierkit import VOCAB, layout, same_bytes, snapshot
 
 from streamchat.config import ConfigError
@@ -126,7 +127,7 @@ def test_kill9_in_the_middle_of_writes_leaves_a_whole_file_or_none(tmp_path, cap
     """kill -9 a process while it rewrites a session file: the file is whole; the temp file is removed on start
     (once stale: here at once; a young one may be another daemon's write, see test_data_dir)."""
     monkeypatch.setattr(disk_module, "STALE_TEMP_S", -1.0)
-    path = tmp_path / "kv" / (SID[0] + ".safetensors")
+    path = tmp_path / "kv" / (SNAPSHOT_SID + ".safetensors")  # the writer's snapshots are that session's
     lay = layout()
     DiskTier(path.parent, 1 << 30, lay, vocab_size=VOCAB).close()  # claims the new folder
     caught_mid_write = 0
@@ -144,7 +145,7 @@ def test_kill9_in_the_middle_of_writes_leaves_a_whole_file_or_none(tmp_path, cap
         temps = list(path.parent.glob("*.tmp"))
         caught_mid_write += bool(temps)
         if path.exists():
-            snap = kvfile.read(path, lay, SID[0], vocab_size=VOCAB)  # whole, whatever moment the kill came
+            snap = kvfile.read(path, lay, SNAPSHOT_SID, vocab_size=VOCAB)  # whole, whatever moment the kill came
             assert snap.state.token_ids in ([(7 * i) % 1000 for i in range(60)],
                                             [(7 * i + 1) % 1000 for i in range(60)])
         with caplog.at_level(logging.WARNING, logger="streamchat.tiers.disk"):
