@@ -267,7 +267,7 @@ def core_info(engine, config) -> wire.CoreInfo:
         pid=os.getpid(), model_name=loaded.source.name, model_path=str(loaded.source.gguf or loaded.source.folder),
         model_folder=str(loaded.source.folder), tokenizer_json=export_tokenizer(loaded.tokenizer),
         frames=engine.chat.frames, device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
-        weights=loaded.weights, activations=loaded.activations, threads=torch.get_num_threads(),
+        weights=loaded.weights, activations=config.model.decode_activations, threads=torch.get_num_threads(),
         attention=model.backend.name, kv_dtype=engine.runner.kv_dtype,
         kv_dtype_reason=engine.runner.kv_dtype_reason, data_dir=data_dir,
         snapshot=take_snapshot(engine))

@@ -41,7 +41,8 @@ COMPUTE_DTYPE = torch.bfloat16
 
 
 # Decode rows up to here multiply a bfloat16 model's GGUF groups in float32 (DenseLinear); more go to the
-# bf16 GEMM. Measured through the daemon on a 2-core EPYC with avx512_bf16 (bench/longchat.py).
+# bf16 GEMM. The crossover, measured with LLM.chat on a 2-core EPYC with avx512_bf16: 4 rows 99.1 tok/s
+# on the groups against 100.0 on the GEMM (1 row 41.0 against 21.1; 8 rows 145.7 against 187.1).
 BF16_GROUP_ROWS = 4
 
 
@@ -58,21 +59,21 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  groups: "cpu.Groups | None" = None, x8: bool = False) -> None:
         self.weight, self.bias, self.groups, self.x8 = weight, bias, groups, x8
-        cpu_dense = weight.device.type == "cpu" and bias is None
-        self.skinny = cpu_dense and weight.dtype == torch.float32
-        # bfloat16: oneDNN's bf16 GEMM is fast on a batch but reads W slowly for a row or two, where the
-        # groups (W unrounded, a quarter of the bytes) multiply in float32 and the result is rounded back
-        self.bf16_rows = BF16_GROUP_ROWS if cpu_dense and weight.dtype == torch.bfloat16 and groups is not None else 0
+        # A decode step's few rows (up to `few_rows`) go to the C kernels. float32: the groups, or W itself
+        # streamed. bfloat16: oneDNN's bf16 GEMM is fast on a batch but reads W slowly for a row or two, where
+        # the groups (W unrounded, a quarter of the bytes) multiply in float32 and the result is rounded back.
+        self.few_rows = 0
+        if weight.device.type == "cpu" and bias is None:
+            if weight.dtype == torch.float32:
+                self.few_rows = cpu.SKINNY_MAX_ROWS
+            elif weight.dtype == torch.bfloat16 and groups is not None:
+                self.few_rows = BF16_GROUP_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.skinny and x.dim() == 2 and x.shape[0] <= cpu.SKINNY_MAX_ROWS:
-            y = self.groups.matmul(x, self.x8) if self.groups is not None else cpu.skinny_linear(x, self.weight)
+        if x.dim() == 2 and x.shape[0] <= self.few_rows:
+            y = self.groups.matmul(x.float(), self.x8) if self.groups is not None else cpu.skinny_linear(x, self.weight)
             if y is not None:
-                return y
-        if x.dim() == 2 and x.shape[0] <= self.bf16_rows:
-            y = self.groups.matmul(x.float(), self.x8)
-            if y is not None:
-                return y.to(x.dtype)
+                return y.to(x.dtype)  # no copy in float32
         return F.linear(x, self.weight, self.bias)
 
     @property

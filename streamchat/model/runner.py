@@ -59,7 +59,6 @@ class LoadedModel:
     tokenizer: object
     model: object  # the registry's class for its model_type (LlamaModel, DeepseekModel)
     weights: str = "bf16"  # the served weight format (auto resolved)
-    activations: str = "float32"  # what decode rows multiply grouped weights with (--decode-activations)
 
 
 def load_model(cfg: ModelConfig, measure=None, use_card: bool = False) -> LoadedModel:
@@ -90,8 +89,7 @@ def load_model(cfg: ModelConfig, measure=None, use_card: bool = False) -> Loaded
         model = model_class(hf_config, state, dtype, device, backend, make)
         if use_card and not checked and raw and not make.mismatches:
             card.mark_blocks_checked(card_file, weights)
-        return LoadedModel(served_source(source, weights, cfg.decode_activations), hf_config, tokenizer, model, weights,
-                           cfg.decode_activations)
+        return LoadedModel(served_source(source, weights, cfg.decode_activations), hf_config, tokenizer, model, weights)
 
     weights = cfg.weights
     if weights == "auto":

@@ -394,7 +394,7 @@ def test_bfloat16_decode_rows_multiply_the_unrounded_groups(bundled_fp32, bundle
     w = {n: state[n].to(torch.bfloat16) for n in names}
     builder = LinearBuilder("bf16", bundled_raw)
     lin = builder.layer(w, names)
-    assert isinstance(lin, DenseLinear) and lin.groups is not None and lin.bf16_rows == BF16_GROUP_ROWS > 0
+    assert isinstance(lin, DenseLinear) and lin.groups is not None and lin.few_rows == BF16_GROUP_ROWS > 0
     assert builder.mismatches == 0
     x = torch.randn(BF16_GROUP_ROWS + 1, 576, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     few, many = lin(x[:BF16_GROUP_ROWS]), lin(x)
