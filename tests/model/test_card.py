@@ -87,8 +87,8 @@ def test_a_second_core_start_reads_the_card_and_compares_no_blocks(monkeypatch, 
     real = cpu.Groups.decodes_to
     monkeypatch.setattr(cpu.Groups, "decodes_to", lambda self, w: calls.append(1) or real(self, w))
     # A cache folder of its own (the converted model linked in): no other test's core start, in this
-    # process or in another test worker, marks the blocks checked between the two loads. float32:
-    # only there do a GGUF's blocks serve decode rows (bfloat16 machines would dequantize them all).
+    # process or in another test worker, marks the blocks checked between the two loads. float32: one
+    # dtype on every machine (auto is bfloat16 where the CPU has it; its loads compare the blocks too).
     folder, fingerprint = _bundled_folder_and_fingerprint()
     (tmp_path / folder.name).symlink_to(folder, target_is_directory=True)
     cfg = ModelConfig(num_threads=1, dtype="float32", cache_dir=str(tmp_path))
