@@ -82,7 +82,7 @@ def build_library(sources: list | None = None) -> ctypes.CDLL:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    """The C signatures (cpu_decode.c, cpu_linear.c, cpu_mla.c) of those the library has (a benchmark's
+    """The C signatures (cpu_decode.c, cpu_linear.c, cpu_mla.c, cpu_forward.c) of those the library has (a benchmark's
     older version may lack the newer ones)."""
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
@@ -96,6 +96,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "write_kv": ([p, p, p, p, i, p, p, p, i, i, i, i], None),
         "write_kv_int8": ([p, p, p, p, p, p, p, p, p, i, i, i, i], None),
         "mla_decode": ([p, p, i, p, i64, p, p, p, p, p, i64, p, p, i, i, i, i, i, i, i, f], i),
+        "decode_stack": ([p, i, p, p], i),
     }
     for name, (argtypes, restype) in signatures.items():
         if hasattr(lib, name):
@@ -279,15 +280,16 @@ def check_step(block_tables: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Te
             raise ValueError(f"{name} must be contiguous {dtype}, got {t.dtype}")
 
 
-def mass_scratch(block_mass: torch.Tensor | None, max_blocks: int, stats: torch.Tensor | None,
+def mass_scratch(block_mass: torch.Tensor | None, num_seqs: int, max_blocks: int, stats: torch.Tensor | None,
                  n_stats: int) -> tuple[int | None, int, torch.Tensor | None]:
     """(block_mass pointer, its row stride, stats) for a decode kernel; (None, 0, None) without mass.
     `stats` becomes float32 scratch of at least n_stats floats (allocated when None or smaller): the
     caller holds it while the kernel runs."""
     if block_mass is None:
         return None, 0, None
-    if block_mass.dtype != torch.float32 or block_mass.stride(1) != 1 or block_mass.shape[1] < max_blocks:
-        raise ValueError("block_mass must be float32 (B, >= max_blocks) with unit inner stride")
+    if (block_mass.dtype != torch.float32 or block_mass.stride(1) != 1 or block_mass.shape[0] < num_seqs
+            or block_mass.shape[1] < max_blocks):
+        raise ValueError("block_mass must be float32 (>= B, >= max_blocks) with unit inner stride")
     if stats is None or stats.numel() < n_stats:
         stats = torch.empty(n_stats, dtype=torch.float32)
     return block_mass.data_ptr(), block_mass.stride(0), stats
@@ -321,7 +323,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     n_partial, n_stats = scratch_sizes(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks, block_size)
     if partial is None or partial.numel() < n_partial:
         partial = torch.empty(n_partial, dtype=torch.float32)
-    mass_ptr, mass_stride, stats = mass_scratch(block_mass, max_blocks, stats, n_stats)
+    mass_ptr, mass_stride, stats = mass_scratch(block_mass, num_seqs, max_blocks, stats, n_stats)
     stats_ptr = None if stats is None else stats.data_ptr()
     head = (qf.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr())
     tail = (block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), cos.data_ptr(), sin.data_ptr(),

@@ -53,7 +53,7 @@ def paged_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: 
     n_partial, n_stats = scratch_sizes(num_seqs, num_heads, latent_dim, max_blocks, block_size)
     if partial is None or partial.numel() < n_partial:
         partial = torch.empty(n_partial, dtype=torch.float32)
-    mass_ptr, mass_stride, stats = cpu.mass_scratch(block_mass, max_blocks, stats, n_stats)
+    mass_ptr, mass_stride, stats = cpu.mass_scratch(block_mass, num_seqs, max_blocks, stats, n_stats)
     rc = cpu.library().mla_decode(
         qf.data_ptr(), latent_cache.data_ptr(), cpu.DTYPES[latent_cache.dtype], block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), mass_ptr,

@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from streamchat.kernels import cpu_forward
 from streamchat.model.attention import AttentionMetadata, Heads, LayerKV, attend
 from streamchat.model.decoder import DecoderModel
 from streamchat.model.kv_spec import FullAttentionSpec
-from streamchat.model.qlinear import Linear
+from streamchat.model.qlinear import DenseLinear, Linear
 from streamchat.model.rope import RopeTables, inv_freq
 from streamchat.model.weights import LinearBuilder
 
@@ -79,6 +80,28 @@ class LlamaModel(DecoderModel):
         # cubed); the softmax scale takes the square instead.
         self.rope = RopeTables(inv, 1.0, device)
         self.scale = self.shape.head_dim ** -0.5 * factor * factor
+        self.stack = self._stack(config)
+
+    def _stack(self, config) -> "cpu_forward.DecodeStack | None":
+        """The layers for one C call a decode step (`cpu_forward`), on the CPU backend when every projection
+        multiplies a step's few rows in groups (the GGUF's blocks) without a bias: up to 32 rows of a float32
+        model, up to BF16_GROUP_ROWS of a bfloat16 one (whose larger batches take oneDNN's bf16 GEMM, and
+        whose few rows the stack then runs in float32 throughout); None otherwise."""
+        if self.backend.name != "cpu" or self.device.type != "cpu" or not cpu_forward.DecodeStack.usable():
+            return None
+        parts, rows = [], cpu_forward.MAX_ROWS
+        for layer in self.layers:
+            linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            if not all(isinstance(lin, DenseLinear) and lin.groups is not None and lin.few_rows > 0
+                       for lin in linears):
+                return None
+            rows = min([rows] + [lin.few_rows for lin in linears])
+            parts.append(cpu_forward.LayerWeights(layer.input_norm.float().contiguous(),
+                                                  layer.post_norm.float().contiguous(),
+                                                  *(lin.groups for lin in linears)))
+        s = self.shape
+        return cpu_forward.DecodeStack(parts, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim,
+                                       layer.down.groups.k, s.rms_norm_eps, self.scale, layer.qkv.x8, rows)
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int, make: LinearBuilder) -> LayerWeights:
@@ -107,6 +130,12 @@ class LlamaModel(DecoderModel):
         block_mass (chunks, >= max_blocks) float32, if given, is added every layer's attention
         mass per chunk and table index (see `attention`)."""
         s = self.shape
+        d = meta.decode
+        if self.stack is not None and meta.prefill is None and d is not None and block_mass is None:
+            h = self.embed[input_ids].float()  # (T, hidden), a new tensor the stack runs the layers over in place
+            cos, sin = self.rope_tables(d.block_tables.shape[1] * meta.block_size)
+            if self.stack.run(h, kv_caches, meta.slot_mapping, d.block_tables, d.seq_lens, cos, sin, meta.block_size):
+                return self.logits(h.to(self.dtype), logits_idx)
         plan = self.step_plan(meta, positions, Heads(s.num_heads, s.num_kv_heads, s.head_dim), block_mass)
         h = self.embed[input_ids]  # (T, hidden)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim

@@ -163,3 +163,15 @@ def test_auto_backend_on_cpu_is_the_kernel_and_torch_stays_the_reference():
     assert isinstance(torch_backend, TorchBackend) and not isinstance(torch_backend, CpuBackend)
     with pytest.raises(ValueError, match="needs a CPU device"):
         make_backend("cpu", torch.device("meta"))
+
+
+def test_attention_mass_with_fewer_rows_than_sequences_is_refused():
+    """The kernel adds into block_mass[b] for every sequence b: a shorter accumulator is an error, not a write
+    past its end (found by AddressSanitizer)."""
+    bs, num_blocks, heads, kv_heads, d = 16, 8, 4, 2, 32
+    kc, vc = torch.randn(num_blocks, bs, kv_heads, d), torch.randn(num_blocks, bs, kv_heads, d)
+    tables = torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.int32)
+    lens = torch.tensor([20, 30, 17], dtype=torch.int32)
+    cos, sin = torch.ones(64, d), torch.zeros(64, d)
+    with pytest.raises(ValueError, match="block_mass"):
+        cpu.paged_decode(torch.randn(3, heads, d), kc, vc, tables, lens, cos, sin, 0.1, block_mass=torch.zeros(2, 2))
