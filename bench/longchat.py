@@ -129,24 +129,28 @@ async def streamchat_session(url: str, history: str, first: Reply, second: Reply
 async def run_streamchat(args, texts: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp, StreamchatDaemon(Path(tmp), args) as d:
         base = d.url.replace("ws://", "http://").removesuffix("/v1/realtime")
-        steps = []  # (steps, step seconds) when the questions go out and when the replies are done
+        steps = []  # step counters (step_counters) when the questions go out and when the replies are done
         row = await drive("streamchat", texts, args,
                           lambda t, f, s, g, r: streamchat_session(d.url, t, f, s, g, args.tokens, r),
                           on_go=lambda: steps.append(step_counters(base)))
         steps.append(step_counters(base))
-        (n0, s0), (n1, s1) = steps
+        (n0, s0, dn0, ds0), (n1, s1, dn1, ds1) = steps
         row["step_ms"] = 1000 * (s1 - s0) / (n1 - n0) if n1 > n0 else None  # the daemon's own, from /metrics
+        # the steps of decode rows only: what bench/step.py times (the above includes the questions' prefill)
+        row["decode_step_ms"] = 1000 * (ds1 - ds0) / (dn1 - dn0) if dn1 > dn0 else None
         return row
 
 
-def step_counters(base: str) -> tuple[float, float]:
-    """(steps, seconds in steps) from the daemon's /metrics."""
+def step_counters(base: str) -> tuple[float, float, float, float]:
+    """(steps, seconds in steps, decode-only steps, seconds in them) from the daemon's /metrics."""
     import urllib.request
 
     text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
     value = {name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
-             for name in ("streamchat_steps_total", "streamchat_step_seconds_total")}
-    return value["streamchat_steps_total"], value["streamchat_step_seconds_total"]
+             for name in ("streamchat_steps_total", "streamchat_step_seconds_total", "streamchat_decode_steps_total",
+                          "streamchat_decode_step_seconds_total")}
+    return (value["streamchat_steps_total"], value["streamchat_step_seconds_total"],
+            value["streamchat_decode_steps_total"], value["streamchat_decode_step_seconds_total"])
 
 
 async def drive(name: str, texts: list[str], args, session, on_go=None) -> dict:
@@ -280,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     print_ratios(rows, args.sessions, args.history)
     ours = next((r for r in rows if r["server"] == "streamchat"), None)
     if ours is not None and ours.get("step_ms"):
-        print(f"streamchat: {ours['step_ms']:.1f} ms a step while the replies decode (the daemon's /metrics; "
-              f"compare bench/step.py --sessions {args.sessions} --cached <context>)")
+        decode = ours.get("decode_step_ms")
+        print(f"streamchat: {ours['step_ms']:.1f} ms a step while the replies decode, "
+              f"{'-' if decode is None else f'{decode:.1f}'} ms a step of decode rows only (the daemon's "
+              f"/metrics; compare bench/step.py --sessions {args.sessions} --cached <context>)")
     if args.json:
         print(json.dumps([common.rounded(r) for r in rows]))
     return 0

@@ -260,5 +260,7 @@ class EngineSnapshot:
     steps: int = 0
     tokens: int = 0
     step_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_step_seconds: float = 0.0
     failed_steps: int = 0
     tiers: dict[str, Any] = field(default_factory=dict)  # host/disk figures, moves, load failures

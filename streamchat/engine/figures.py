@@ -30,7 +30,8 @@ def take_snapshot(eng) -> EngineSnapshot:
         prefix_queried_tokens=mgr.num_prefix_queried_tokens, prefix_hit_tokens=mgr.num_prefix_hit_tokens,
         evicted_tokens=mgr.num_evicted_tokens, evicted_by_policy=dict(mgr.evicted_by_policy), preemptions=sched.preemptions, idle_drops=sched.idle_drops,
         cached_block_evictions=pool.num_cache_evictions, steps=eng.metrics.steps, tokens=eng.metrics.tokens,
-        step_seconds=eng.metrics.step_seconds, failed_steps=eng.metrics.failed_steps,
+        step_seconds=eng.metrics.step_seconds, decode_steps=eng.metrics.decode_steps,
+        decode_step_seconds=eng.metrics.decode_step_seconds, failed_steps=eng.metrics.failed_steps,
         tiers=_tier_figures(eng.pager, eng.runner.bytes_per_block))
 
 

@@ -16,6 +16,8 @@ class EngineMetrics:
     tokens: int = 0
     decode_tokens: int = 0
     step_seconds: float = 0.0
+    decode_steps: int = 0  # steps whose every token was a decode row: what bench/step.py times
+    decode_step_seconds: float = 0.0
     failed_steps: int = 0
     ttft: deque = field(default_factory=lambda: deque(maxlen=4096))
     itl: deque = field(default_factory=lambda: deque(maxlen=16384))
@@ -27,6 +29,9 @@ class EngineMetrics:
         self.tokens += num_tokens
         self.decode_tokens += num_decode
         self.step_seconds += seconds
+        if num_decode and num_decode == num_tokens:
+            self.decode_steps += 1
+            self.decode_step_seconds += seconds
         self.batch_sizes.append(num_tokens)
         self._notify("step_tokens", num_tokens)
 

@@ -86,6 +86,8 @@ class _EngineCollector:
              snap.failed_steps),
             ("tokens", "Tokens computed", snap.tokens),
             ("step_seconds", "Time spent in model steps", snap.step_seconds),
+            ("decode_steps", "Engine steps of decode rows only", snap.decode_steps),
+            ("decode_step_seconds", "Time spent in steps of decode rows only", snap.decode_step_seconds),
         ):
             yield CounterMetricFamily(f"streamchat_{name}_total", doc, value=value)
         by_policy = CounterMetricFamily("streamchat_evicted_tokens_by_policy",

@@ -108,3 +108,10 @@ def test_metrics_count_exactly_what_the_workload_did(counted_daemon):
     assert delta(before, after, "streamchat_step_tokens_sum") == delta(before, after, "streamchat_tokens_total")
     assert delta(before, after, "streamchat_errors_total", code="invalid_json") == 1
     assert delta(before, after, "streamchat_resumes_total", restored_from="memory") == 1
+
+    # steps of decode rows only (what bench/step.py times): each of the four 8-token replies ran alone, so its
+    # seven tokens after the first came from such steps; every turn's prompt took at least one other step
+    decode_steps, steps = (delta(before, after, f"streamchat_{n}_total") for n in ("decode_steps", "steps"))
+    assert 4 * 7 <= decode_steps <= steps - 4, (decode_steps, steps)
+    decode_seconds = delta(before, after, "streamchat_decode_step_seconds_total")
+    assert 0 < decode_seconds < delta(before, after, "streamchat_step_seconds_total")
