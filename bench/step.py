@@ -15,6 +15,9 @@ machine), then one JSON line. `--profile` adds torch's profiler table of one
 step's operators. `--mass` alternates plain steps with steps that also
 compute the attention mass per block (`ModelRunner.execute_with_mass`, what
 an h2o session's step costs) and reports both medians and their ratio.
+`--sample` times each step's sampling too (the model's default params, with
+the sessions' tokens as the penalties' history), as the daemon's
+`streamchat_decode_step_seconds_total` counts it.
 
 Variants, timed step by step in turn (A B C A B C ...) so that a busy host
 slows them alike: `--against OLD.c` (repeatable) adds another version of the
@@ -59,6 +62,9 @@ from streamchat.config import CacheConfig, ModelConfig  # noqa: E402
 from streamchat.kernels import cpu  # noqa: E402
 from streamchat.model.batch import SeqChunk, StepBatch  # noqa: E402
 from streamchat.model.runner import ModelRunner, load_model  # noqa: E402
+from streamchat.model.sampling import sample  # noqa: E402
+from streamchat.model.sampling_adjust import TokenHistory  # noqa: E402
+from streamchat.model.sampling_params import REPETITION_WINDOW, load_model_defaults  # noqa: E402
 
 
 def parse(argv) -> argparse.Namespace:
@@ -74,6 +80,9 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--kv-dtype", default="float", help="KV storage, or several comma-separated (float,int8)")
     p.add_argument("--decode-activations", default="float32", help="float32, int8, or both comma-separated")
     p.add_argument("--against", action="append", default=[], help="another cpu_decode.c to time alongside")
+    p.add_argument("--sample", action="store_true",
+                   help="time each step with its sampling too, as the daemon's step does: the model's default "
+                        "params (generation_config.json), with each session's tokens as the penalties' history")
     return p.parse_args(argv)
 
 
@@ -132,13 +141,17 @@ def variants(args) -> list[Variant]:
     return out
 
 
-def step(v: Variant, mass: bool = False) -> tuple[float, float]:
-    """(wall, CPU) seconds of one decode step of all v's sessions."""
+def step(v: Variant, mass: bool = False, params=None) -> tuple[float, float]:
+    """(wall, CPU) seconds of one decode step of all v's sessions; with `params`, its sampling too."""
     if v.library is not None:
         common.use_library(v.library)
     batch = v.sessions.batch()  # scheduling work is not the runner's: left out of the time
     start, cpu_start = time.perf_counter(), time.process_time()
-    (v.runner.execute_with_mass if mass else v.runner.execute)(batch)
+    logits = (v.runner.execute_with_mass if mass else v.runner.execute)(batch)
+    if params is not None:
+        seqs = v.sessions.seqs
+        history = [TokenHistory(seq.token_ids[-REPETITION_WINDOW:], seq.token_ids[-64:]) for seq in seqs]
+        sample(logits, [params] * len(seqs), [None] * len(seqs), history if params.penalized else None)
     return time.perf_counter() - start, time.process_time() - cpu_start
 
 
@@ -159,15 +172,16 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     vs = variants(args)
+    params = load_model_defaults(vs[0].runner.loaded.source.folder) if args.sample else None
     for _ in range(args.warmup):
         for v in vs:
-            step(v)
+            step(v, params=params)
     times = {v.name: [] for v in vs}
     cpu_times = {v.name: [] for v in vs}
     mass_cpu = []
     for i in range(args.steps):
         for v in vs[i % len(vs):] + vs[:i % len(vs)]:  # each variant leads in turn
-            wall, used = step(v)
+            wall, used = step(v, params=params)
             times[v.name].append(wall)
             cpu_times[v.name].append(used)
         if args.mass:  # interleaved (A B A B): the machine's load hits both alike
