@@ -1,6 +1,7 @@
 """Tests of session tiers in a real daemon: exact resume from disk after SIGTERM and kill -9, bad files refused."""
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -61,11 +62,16 @@ def rest_of_log(d):
     return "".join(d.log) + d.proc.stdout.read()
 
 
-def test_sigterm_restart_resume_continues_exactly_as_without_restart(tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int4"])
+def test_sigterm_restart_resume_continues_exactly_as_without_restart(tmp_path, kv_dtype):
     """Two identical sessions with evictions: one continues live, the other after SIGTERM + restart
-    and a resume from disk (by two sockets at once), with the same greedy reply."""
+    and a resume from disk (by two sockets at once), with the same greedy reply; in every KV storage
+    (auto is int8 here; fp8 and int4 keep their scales in the file)."""
     db = tmp_path / "s.db"
-    a = Daemon(db, *TIER_ARGS, "--checkpoint-idle-s", "0").start()
+    args = [*TIER_ARGS, "--checkpoint-idle-s", "0", "--kv-dtype", kv_dtype]
+    a = Daemon(db, *args).start()
+    health = json.loads(urllib.request.urlopen(a.http + "/healthz", timeout=10).read())
+    assert health["kv_dtype"]["dtype"] == ("int8" if kv_dtype == "auto" else kv_dtype), health["kv_dtype"]
 
     async def before():
         x, y = await Client.open(a.url), await Client.open(a.url)
@@ -86,7 +92,7 @@ def test_sigterm_restart_resume_continues_exactly_as_without_restart(tmp_path):
     assert a.proc.returncode == 0 and "saved 2 of 2 sessions" in rest_of_log(a)
     assert sorted(p.name for p in (tmp_path / "s.kv").iterdir()) == sorted(
         [".streamchat-data-dir", *(f"{i}.safetensors" for i in (sid, yid))])
-    b = Daemon(db, *TIER_ARGS, "--checkpoint-idle-s", "0").start()
+    b = Daemon(db, *args).start()
     try:
         async def after():
             (c, first), (other, second) = await asyncio.gather(resume(b.url, sid, token), resume(b.url, sid, token))
