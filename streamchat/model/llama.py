@@ -80,14 +80,15 @@ class LlamaModel(DecoderModel):
         # cubed); the softmax scale takes the square instead.
         self.rope = RopeTables(inv, 1.0, device)
         self.scale = self.shape.head_dim ** -0.5 * factor * factor
-        self.stack = self._stack(config)
+        self.stack = self._stack()
 
-    def _stack(self, config) -> "cpu_forward.DecodeStack | None":
+    def _stack(self) -> "cpu_forward.DecodeStack | None":
         """The layers for one C call a decode step (`cpu_forward`), on the CPU backend when every projection
         multiplies a step's few rows in groups (the GGUF's blocks) without a bias: up to 32 rows of a float32
         model, up to BF16_GROUP_ROWS of a bfloat16 one (whose larger batches take oneDNN's bf16 GEMM, and
         whose few rows the stack then runs in float32 throughout); None otherwise."""
-        if self.backend.name != "cpu" or self.device.type != "cpu" or not cpu_forward.DecodeStack.usable():
+        if (self.backend.name != "cpu" or self.device.type != "cpu" or not self.layers
+                or not cpu_forward.DecodeStack.usable()):
             return None
         parts, rows = [], cpu_forward.MAX_ROWS
         for layer in self.layers:
@@ -100,8 +101,9 @@ class LlamaModel(DecoderModel):
                                                   layer.post_norm.float().contiguous(),
                                                   *(lin.groups for lin in linears)))
         s = self.shape
+        first = self.layers[0]
         return cpu_forward.DecodeStack(parts, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim,
-                                       layer.down.groups.k, s.rms_norm_eps, self.scale, layer.qkv.x8, rows)
+                                       first.down.groups.k, s.rms_norm_eps, self.scale, first.qkv.x8, rows)
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int, make: LinearBuilder) -> LayerWeights:

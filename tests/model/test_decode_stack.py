@@ -143,7 +143,7 @@ def test_eight_bit_activations_take_the_stack_too():
     model = loaded.model
     model.layers = model.layers[:2]
     model.shape = dataclasses.replace(model.shape, num_layers=2)
-    model.stack = model._stack(model.config)
+    model.stack = model._stack()
     assert model.stack is not None and model.stack.x8 and len(model.stack.layers) == 2
     pair = Pair(loaded, "float")
     got, want = pair.decode([1, 2, 3])
