@@ -235,8 +235,12 @@ def kernel_version(decode_source: Path):
     as a library of their own. Entry points it lacks (a newer kernel's) are missing from it."""
     from streamchat.kernels import cpu
 
-    own_products = "group_linear(" in Path(decode_source).read_text()
-    others = [s for s in cpu.cpu_build.SOURCES[1:] if not (own_products and s.name.startswith("cpu_linear"))]
+    text = Path(decode_source).read_text()
+    own_products = "group_linear(" in text
+    # the decode stack calls these of cpu_decode.c; an older version without them leaves it out
+    stack = all(f"{name}(" in text for name in ("rms_norm", "write_kv_int8", "paged_decode_quantized"))
+    others = [s for s in cpu.cpu_build.SOURCES[1:] if not (own_products and s.name.startswith("cpu_linear"))
+              and (stack or s.name != "cpu_forward.c")]
     return cpu.build_library([Path(decode_source).resolve(), *others])
 
 

@@ -30,7 +30,7 @@ log = logging.getLogger("streamchat.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_decode.c", "cpu_mla.c", "cpu_linear.c", "cpu_linear_x8.c", "cpu_forward.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_linear.h")]  # part of the build's key
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_linear.h", "cpu_decode.h")]  # part of the build's key
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 

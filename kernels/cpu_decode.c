@@ -38,6 +38,7 @@
  * it is taken against (its run's).
  */
 #include "cpu_common.h"
+#include "cpu_decode.h"
 
 #define MAX_D 256
 #define MAX_H 128         /* query heads */

@@ -16,23 +16,8 @@
  * silu(g) * u (expf against torch's vectorized exp: within an ulp or two). */
 #include <stdlib.h>
 
+#include "cpu_decode.h"
 #include "cpu_linear.h"
-
-/* The kernels this runs, from the library's other sources (cpu_decode.c, cpu_linear.c). */
-void rms_norm(const float *x, const float *w, float *out, int m, int k, float eps);
-void write_kv(const float *key, const float *value, void *kc, void *vc, int dtype, const int64_t *slots,
-              const float *cos, const float *sin, int t, int kv_heads, int d, int bs);
-void write_kv_int8(const float *key, const float *value, int8_t *kc, int8_t *vc, float *k_scale, float *v_scale,
-                   const int64_t *slots, const float *cos, const float *sin, int t, int kv_heads, int d, int bs);
-int paged_decode_quantized(const float *q, const void *kc, const void *vc, int dtype, const float *k_scale,
-                           const float *v_scale, const int32_t *tables, int64_t table_stride,
-                           const int32_t *seq_lens, const float *cos, const float *sin, float *out,
-                           float *block_mass, int64_t mass_stride, float *partial, float *stats, int num_seqs,
-                           int heads, int kv_heads, int d, int bs, int max_blocks, int chunk, float scale);
-int group_linear(const float *x, const void *q, int bits, const float *scale, const float *zero, float *out,
-                 int m, int n, int k);
-int group_linear_x8(const float *x, const void *q, int bits, const float *scale, const float *zero, float *out,
-                    int m, int n, int k);
 
 typedef struct {
     const float *input_norm, *post_norm;  /* (hidden,) */

@@ -26,6 +26,12 @@ typedef struct {
     const float *dx;
 } X8;
 
+/* The products, exported (cpu_linear.c's header says what they compute); cpu_forward.c calls them. */
+int group_linear(const float *x, const void *q, int bits, const float *scale, const float *zero, float *out,
+                 int m, int n, int k);
+int group_linear_x8(const float *x, const void *q, int bits, const float *scale, const float *zero, float *out,
+                    int m, int n, int k);
+
 /* Row x into codes, scales and the row terms' multipliers a (of the scales) and b (of the zeros), per
  * group: the product of a row is sum_g scale_g * dx_g * (c_g . xq_g) + scale_g * a_g + zero_g * b_g. */
 __attribute__((visibility("hidden"))) void quantize_x8(const float *x, int k, int bits, int8_t *q, float *dx,

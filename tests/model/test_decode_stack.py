@@ -53,6 +53,7 @@ class Pair:
             model.stack = stack
 
     def decode(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step of the first len(tokens) sessions, in both runners."""
         return tuple(self.run(i, StepBatch(decode=[self._chunk(i, s, [t]) for s, t in zip(self.seqs[i], tokens)]))
                      for i in range(2))
 
@@ -84,7 +85,7 @@ def test_stack_gives_the_python_layers_logits(bundled_fp32, calls, kv_dtype):
     assert calls == []  # the prompts' prefill ran the Python layers
     tokens = [1, 2, 3, 4, 5]
     for rows in (3, 5, 1, 2, 5):
-        got, want = _some(pair, tokens, rows)
+        got, want = pair.decode(tokens[:rows])
         torch.testing.assert_close(got, want, atol=TOLERANCE[kv_dtype], rtol=0)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         tokens = want.argmax(-1).tolist() + tokens[len(want):]
@@ -99,16 +100,6 @@ def test_stack_gives_the_python_layers_logits(bundled_fp32, calls, kv_dtype):
                 assert (ta.int() - tb.int()).abs().max() <= 1
             else:
                 torch.testing.assert_close(ta, tb, atol=1e-3, rtol=1e-3)
-
-
-def _some(pair: Pair, tokens: list[int], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step of the first `rows` sessions only."""
-    seqs = pair.seqs
-    out = []
-    for i in range(2):
-        chunks = [pair._chunk(i, s, [t]) for s, t in zip(seqs[i][:rows], tokens[:rows])]
-        out.append(pair.run(i, StepBatch(decode=chunks)))
-    return tuple(out)
 
 
 def test_stack_is_built_for_the_bundled_model_in_float32(bundled_fp32):
@@ -159,8 +150,8 @@ def test_a_bfloat16_model_runs_its_few_rows_through_the_stack(bundled_fp32, call
     pair, truth = Pair(loaded, "float"), Pair(bundled_fp32, "float")
     tokens = [1, 2, 3]
     for _ in range(3):
-        got, want = _some(pair, tokens, 3)
-        exact = _some(truth, tokens, 3)[1]
+        got, want = pair.decode(tokens)
+        exact = truth.decode(tokens)[1]
         assert (got - exact).abs().mean() < (want - exact).abs().mean()
         assert torch.equal(got.argmax(-1), exact.argmax(-1))
         tokens = exact.argmax(-1).tolist()
