@@ -165,9 +165,27 @@ static inline void prefetch_rows(const Grouped *w, int64_t r, int64_t rows) {
  * descheduled on a busy host leaves its share to the other instead of holding the call at the barrier. */
 #define CHUNK_ROWS 32
 
+/* acc + s * (w . x) over one group (lane order), the only arithmetic a grouped product does per group:
+ * every path calls it, with the fused multiply-adds spelled out where the target has them, so a row's
+ * result is the same bits whether it is multiplied alone, beside one other row or in a batch (the
+ * compiler is not left to contract two copies of the expression differently). */
+static inline v8f group_fma(v8f acc, float s, const v8f w[4], const v8f x[4]) {
+#if defined(__FMA__)
+    __m256 t = _mm256_mul_ps((__m256)w[0], (__m256)x[0]);
+    t = _mm256_fmadd_ps((__m256)w[1], (__m256)x[1], t);
+    t = _mm256_fmadd_ps((__m256)w[2], (__m256)x[2], t);
+    t = _mm256_fmadd_ps((__m256)w[3], (__m256)x[3], t);
+    return (v8f)_mm256_fmadd_ps(_mm256_set1_ps(s), t, (__m256)acc);
+#else
+    return acc + s * (((w[0] * x[0] + w[1] * x[1]) + w[2] * x[2]) + w[3] * x[3]);
+#endif
+}
+
+/* The R weight rows' groups come widened on the fly from the codes (wide NULL) or from `wide`, the same
+ * rows widened once into a buffer (R rows of k floats, lane order) for a batch's pairs of x rows. */
 static inline __attribute__((always_inline)) void rows_f32(const float *x, const int M, const Grouped *w,
                                                            const int bits, const int64_t rows[DIRECT_ROWS],
-                                                           float res[DIRECT_ROWS][FEW_ROWS]) {
+                                                           const float *wide, float res[DIRECT_ROWS][FEW_ROWS]) {
     const int k = w->k, groups = k / 32, R = rows_per_pass(bits);
     v8f acc[DIRECT_ROWS][FEW_ROWS];
     for (int c = 0; c < R; c++)
@@ -178,10 +196,12 @@ static inline __attribute__((always_inline)) void rows_f32(const float *x, const
             for (int u = 0; u < 4; u++) xv[i][u] = ld8(x + (int64_t)i * k + g * 32 + 8 * u);
         for (int c = 0; c < R; c++) {
             v8f wv[4];
-            widen_group(w->q, bits, rows[c], k, g, wv);
+            if (wide)
+                for (int u = 0; u < 4; u++) wv[u] = ld8(wide + (int64_t)c * k + g * 32 + 8 * u);
+            else
+                widen_group(w->q, bits, rows[c], k, g, wv);
             const float s = w->scale[rows[c] * groups + g];
-            for (int i = 0; i < M; i++)
-                acc[c][i] += s * ((wv[0] * xv[i][0] + wv[1] * xv[i][1]) + (wv[2] * xv[i][2] + wv[3] * xv[i][3]));
+            for (int i = 0; i < M; i++) acc[c][i] = group_fma(acc[c][i], s, wv, xv[i]);
         }
     }
     for (int c = 0; c < R; c++)
@@ -189,16 +209,30 @@ static inline __attribute__((always_inline)) void rows_f32(const float *x, const
 }
 
 /* res[c][i] = sum_g scale_g * ((c_g - offset) . x_i,g) for weight rows r .. r + rows_per_pass - 1
- * (clamped to n - 1) and the M rows of x (lane order). */
-static void f32_rows(const float *x, int M, const Grouped *w, int64_t r, float res[DIRECT_ROWS][FEW_ROWS]) {
+ * (clamped to n - 1) and the M rows of x (lane order); `wide` as rows_f32's. */
+static void f32_rows(const float *x, int M, const Grouped *w, int64_t r, const float *wide,
+                     float res[DIRECT_ROWS][FEW_ROWS]) {
     int64_t rows[DIRECT_ROWS];
     for (int c = 0; c < DIRECT_ROWS; c++) rows[c] = r + c < w->n ? r + c : w->n - 1;
     if (w->bits == 4) {
-        if (M == 1) rows_f32(x, 1, w, 4, rows, res);
-        else rows_f32(x, 2, w, 4, rows, res);
+        if (M == 1) rows_f32(x, 1, w, 4, rows, wide, res);
+        else rows_f32(x, 2, w, 4, rows, wide, res);
     } else {
-        if (M == 1) rows_f32(x, 1, w, 8, rows, res);
-        else rows_f32(x, 2, w, 8, rows, res);
+        if (M == 1) rows_f32(x, 1, w, 8, rows, wide, res);
+        else rows_f32(x, 2, w, 8, rows, wide, res);
+    }
+}
+
+/* Weight rows r .. r + R - 1 (clamped) widened into `wide` (R rows of k, lane order). */
+static void widen_rows(const Grouped *w, int64_t r, float *wide) {
+    const int R = rows_per_pass(w->bits), groups = w->k / 32;
+    for (int c = 0; c < R; c++) {
+        const int64_t row = r + c < w->n ? r + c : w->n - 1;
+        for (int g = 0; g < groups; g++) {
+            v8f wv[4];
+            widen_group(w->q, w->bits, row, w->k, g, wv);
+            for (int u = 0; u < 4; u++) st8(wide + (int64_t)c * w->k + g * 32 + 8 * u, wv[u]);
+        }
     }
 }
 
@@ -215,33 +249,50 @@ static inline float row_terms(const float *s, const float *a, const float *z, co
     return hsum8(acc) + tail;
 }
 
-/* Weight rows [r0, r1) against x rows i, i + 1 (M of them; lane order, or quantized in x8) into out:
- * each sum plus its row terms (a, b: the x rows' multipliers, NULL when they are all 0). */
-static void direct_chunk(const float *x, const X8 *x8, int i, int M, const Grouped *w, int64_t r0, int64_t r1,
-                         const float *a, const float *b, float *out) {
-    const int k = w->k, groups = k / 32;
-    X8 xi = {NULL, NULL};
-    if (x8) xi = (X8){x8->q + (int64_t)i * k, x8->dx + i * groups};
+/* The products of weight rows r .. r + R - 1 (those below r1) and x rows i .. i + M - 1 (M <= FEW_ROWS;
+ * lane order, or quantized in x8) into out, each sum plus its row terms (a, b: the x rows' multipliers,
+ * NULL when they are all 0); `wide` as rows_f32's. */
+static void run_rows(const float *x, const X8 *x8, int i, int M, const Grouped *w, int64_t r, int64_t r1,
+                     const float *wide, const float *a, const float *b, float *out) {
+    const int k = w->k, groups = k / 32, R = rows_per_pass(w->bits);
+    float res[DIRECT_ROWS][FEW_ROWS];
+    if (x8) {
+        const X8 xi = {x8->q + (int64_t)i * k, x8->dx + i * groups};
+        x8_rows(&xi, M, w, r, res);
+    } else {
+        f32_rows(x + (int64_t)i * k, M, w, r, wide, res);
+    }
+    for (int c = 0; c < R && r + c < r1; c++) {
+        const float *s = w->scale + (r + c) * groups, *z = w->zero ? w->zero + (r + c) * groups : NULL;
+        for (int j = i; j < i + M; j++)
+            out[(int64_t)j * w->n + r + c] = res[c][j - i] + (a || z ? row_terms(s, a ? a + j * groups : NULL,
+                                                                                 z, b + j * groups, groups) : 0.0f);
+    }
+}
+
+/* Weight rows [r0, r1) against the m rows of x into out. Up to FEW_ROWS rows (or 8-bit x) multiply each
+ * group where it lies; more rows widen each run of R weight rows once into `wide` (L1-sized: R * k floats)
+ * and take it against every pair of x rows, with the same arithmetic in the same order, so a row's
+ * result does not depend on how many rows share the step (a batch equals each session alone). */
+static void direct_chunk(const float *x, const X8 *x8, int m, const Grouped *w, int64_t r0, int64_t r1,
+                         float *wide, const float *a, const float *b, float *out) {
     const int R = rows_per_pass(w->bits);
     for (int64_t r = r0; r < r1; r += R) {
         if (r + R < r1) prefetch_rows(w, r + R, r1 - r - R < R ? r1 - r - R : R);
-        float res[DIRECT_ROWS][FEW_ROWS];
-        if (x8)
-            x8_rows(&xi, M, w, r, res);
-        else
-            f32_rows(x + (int64_t)i * k, M, w, r, res);
-        for (int c = 0; c < R && r + c < r1; c++) {
-            const float *s = w->scale + (r + c) * groups, *z = w->zero ? w->zero + (r + c) * groups : NULL;
-            for (int j = i; j < i + M; j++)
-                out[(int64_t)j * w->n + r + c] = res[c][j - i] + (a || z ? row_terms(s, a ? a + j * groups : NULL,
-                                                                                     z, b + j * groups, groups) : 0.0f);
+        const float *src = NULL;
+        if (wide && !x8 && m > FEW_ROWS) {
+            widen_rows(w, r, wide);
+            src = wide;
         }
+        for (int i = 0; i < m; i += FEW_ROWS)
+            run_rows(x, x8, i, m - i < FEW_ROWS ? m - i : FEW_ROWS, w, r, r1, src, a, b, out);
     }
 }
 
 /* out = x @ W^T straight from the codes, m rows of x (float32, or quantized to 8 bits when x8): x's
  * lanes or codes and the row terms' multipliers first, then chunks of CHUNK_ROWS weight rows over the
- * threads, each chunk against every pair of x rows while its codes are in L1. -1: no memory. */
+ * threads (`direct_chunk`), each thread with its own widened-rows buffer when a float batch wants one.
+ * -1: no memory. */
 static int group_direct(const float *x, const Grouped *w, float *out, int m, int x8) {
     const int k = w->k, groups = k / 32;
     const size_t terms = (size_t)m * groups;
@@ -263,71 +314,31 @@ static int group_direct(const float *x, const Grouped *w, float *out, int m, int
     if (!x8) to_lanes(x, lanes, m, k);
     const X8 q8 = {codes, dx};
     const float *row_a = x8 && w->bits == 4 ? a : NULL;  /* the float path's offset is in its widening */
-    const int chunks = (w->n + CHUNK_ROWS - 1) / CHUNK_ROWS;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int ch = 0; ch < chunks; ch++) {
-        const int64_t r0 = (int64_t)ch * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < w->n ? r0 + CHUNK_ROWS : w->n;
-        for (int i = 0; i < m; i += FEW_ROWS)
-            direct_chunk(lanes, x8 ? &q8 : NULL, i, m - i < FEW_ROWS ? m - i : FEW_ROWS, w, r0, r1, row_a, b, out);
+    const int chunks = (w->n + CHUNK_ROWS - 1) / CHUNK_ROWS, widen = !x8 && m > FEW_ROWS;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *wide = widen ? malloc(sizeof(float) * DIRECT_ROWS * (size_t)k) : NULL;
+        failed = widen && !wide;
+#pragma omp for schedule(dynamic, 1)
+        for (int ch = 0; ch < chunks; ch++) {
+            const int64_t r0 = (int64_t)ch * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < w->n ? r0 + CHUNK_ROWS : w->n;
+            if (!failed) direct_chunk(lanes, x8 ? &q8 : NULL, m, w, r0, r1, wide, row_a, b, out);
+        }
+        free(wide);
     }
     free(buf);
-    return 0;
+    return failed ? -1 : 0;
 }
 
-/* out (m, n) = x @ W^T for m <= MAX_ROWS. Returns -1 when m > MAX_ROWS, k is not a multiple of 32,
- * bits is not 4 or 8, or scratch memory cannot be had (the caller falls back).
- *
- * One or two rows go straight from the codes (`group_direct`). More: each thread takes panels of
- * PANEL weight rows and walks K in chunks of KCHUNK: it widens the panel's chunk, (c - offset) * scale +
- * zero, into a buffer that stays in L1, then multiplies it against every pair of x rows with
- * skinny_linear's 2 x 4 tile. x is read once per panel rather than once per weight row: at sixteen rows
- * x is 36 KB (more than L1) for a 576-wide matrix, and walking it per weight row made the products wait
- * on L2. */
-#define PANEL 8
-#define KCHUNK 512
+/* out (m, n) = x @ W^T for m <= MAX_ROWS, straight from the codes (`group_direct`): a row's result is
+ * the same bits at any m. Returns -1 when m > MAX_ROWS, k is not a multiple of 32, bits is not 4 or 8,
+ * or scratch memory cannot be had (the caller falls back). */
 int group_linear(const float *x, const void *q, int bits, const float *scale, const float *zero, float *out,
                  int m, int n, int k) {
     if (m > MAX_ROWS || k % 32 || (bits != 4 && bits != 8)) return -1;
     const Grouped wg = {q, bits, scale, zero, n, k};
-    if (m <= FEW_ROWS) return group_direct(x, &wg, out, m, 0);
-    float *xl = malloc(sizeof(float) * (size_t)m * k);
-    if (!xl) return -1;
-    to_lanes(x, xl, m, k);
-    const int groups = k / 32, panels = (n + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static)
-    for (int p = 0; p < panels; p++) {
-        const int r0 = p * PANEL;
-        float wbuf[PANEL][KCHUNK], acc[MAX_ROWS][PANEL];
-        memset(acc, 0, sizeof acc);
-        for (int k0 = 0; k0 < k; k0 += KCHUNK) {
-            const int kc = k - k0 < KCHUNK ? k - k0 : KCHUNK;
-            for (int c = 0; c < PANEL; c++) {
-                const int r = r0 + c < n ? r0 + c : n - 1;  /* past n: a copy of the last row, not written */
-                for (int g = k0 / 32; g < (k0 + kc) / 32; g++) {
-                    v8f w[4];
-                    widen_group(q, bits, r, k, g, w);
-                    const float sc = scale[(int64_t)r * groups + g], z = zero ? zero[(int64_t)r * groups + g] : 0.0f;
-                    for (int u = 0; u < 4; u++) st8(&wbuf[c][g * 32 - k0 + 8 * u], w[u] * sc + z);
-                }
-            }
-            for (int half = 0; half < PANEL; half += 4) {
-                const float *rows[4] = {wbuf[half], wbuf[half + 1], wbuf[half + 2], wbuf[half + 3]};
-                for (int i = 0; i < m; i += 2) {
-                    const int pair = i + 1 < m;
-                    float o0[4], o1[4];
-                    tile(xl + (int64_t)i * k + k0, xl + (int64_t)(i + pair) * k + k0, rows, kc, o0, o1);
-                    for (int c = 0; c < 4; c++) {
-                        acc[i][half + c] += o0[c];
-                        if (pair) acc[i + 1][half + c] += o1[c];
-                    }
-                }
-            }
-        }
-        for (int i = 0; i < m; i++)
-            for (int c = 0; c < PANEL && r0 + c < n; c++) out[(int64_t)i * n + r0 + c] = acc[i][c];
-    }
-    free(xl);
-    return 0;
+    return group_direct(x, &wg, out, m, 0);
 }
 
 /* group_linear with x quantized to 8 bits per group of 32 (`quantize_x8`), for every m <= MAX_ROWS

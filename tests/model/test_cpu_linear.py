@@ -120,6 +120,19 @@ def test_one_or_two_rows_multiply_the_codes_directly(rows, bits, zero, n, k):
     close(groups.matmul(x), F.linear(x, dense))
 
 
+@pytest.mark.parametrize("bits,zero", [(4, True), (8, False)], ids=str)
+@pytest.mark.parametrize("n,k", [(45, 576), (13, 1536)])
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch(bits, zero, n, k):
+    """A decode row multiplied alone, beside one other or in a batch of up to MAX_ROWS gives the same bits:
+    a batch of sessions then equals each session alone (tests/engine's greedy batched = alone), and a
+    quantized KV block written from either holds the same codes."""
+    groups, _ = random_groups(n, k, bits, zero)
+    x = randn(cpu.SKINNY_MAX_ROWS, k, seed=6)
+    alone = torch.cat([groups.matmul(x[i:i + 1]) for i in range(len(x))])
+    for rows in (2, 3, 16, cpu.SKINNY_MAX_ROWS):
+        assert torch.equal(groups.matmul(x[:rows]), alone[:rows]), rows
+
+
 def x8_oracle(x: torch.Tensor, groups: cpu.Groups, dense: torch.Tensor) -> torch.Tensor:
     """What group_linear_x8 computes, in float64: x rounded to 8 bits per group of 32 (x * 127 / max|x| to
     nearest even, in float32 as the kernel rounds it) times the codes, the offset with x's codes too, the
