@@ -47,6 +47,9 @@ class Server:
     def ready(self) -> bool:
         raise NotImplementedError
 
+    def exit_hint(self, returncode: int) -> str:
+        return f"exit status {returncode}"
+
     def __enter__(self):
         self.out = open(self.log, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self.out, stderr=subprocess.STDOUT)
@@ -55,7 +58,8 @@ class Server:
             if self.ready():
                 return self
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n" + self.log.read_text(errors="replace")[-3000:])
+                raise RuntimeError(f"{self.name} exited ({self.exit_hint(self.proc.returncode)}):\n"
+                                   + self.log.read_text(errors="replace")[-3000:])
             time.sleep(0.3)
         raise RuntimeError(f"{self.name} did not start")
 
@@ -69,6 +73,16 @@ class LlamaServer(Server):
     """`llama-server` on the bundled GGUF with `slots` parallel slots sharing a `context`-token cache."""
 
     name = "llama-server"
+
+    def exit_hint(self, returncode: int) -> str:
+        import signal
+
+        if returncode in (-signal.SIGILL, -signal.SIGSEGV):
+            # a Xeon VM that lists AMX the guest may not use: ggml's AMX Q4_1 kernel (GGML_NATIVE=ON) raises
+            # SIGILL in its start-up warm-up decode (seen under gdb; the process itself ends with SIGSEGV)
+            return (f"killed by signal {-returncode}; if the log ends at model loading on a CPU that lists AMX, "
+                    "rebuild llama.cpp with -DGGML_NATIVE=OFF and the CPU's other extensions on (README, 'Measured')")
+        return super().exit_hint(returncode)
 
     def __init__(self, binary: str, folder: Path, *, slots: int, context: int, threads: int, port: int) -> None:
         self.port = port
