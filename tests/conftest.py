@@ -27,8 +27,8 @@ import pytest  # noqa: E402
 # `make test` runs two pytest-xdist workers on 2 cores: the daemons they start then compute on one thread
 # each (TEST_NUM_THREADS, read by the daemon fixtures), so that two of them never oversubscribe the cores
 # with OpenMP workers spinning for turns; alone, a run gives them two. In-process tests keep torch's
-# default (two here): the int4 equality tests were written and pinned at that count (see the note in
-# tests/engine/test_engine.py).
+# default (two here); their equality tests hold at any count since a grouped product gives a row the
+# same bits at any batch size (see the note in tests/engine/test_engine.py).
 TEST_NUM_THREADS = "1" if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else "2"
 os.environ["TEST_NUM_THREADS"] = TEST_NUM_THREADS
 
