@@ -41,6 +41,7 @@ LONG_INSTRUCTIONS = ("You are a careful assistant. You answer in full sentences,
 # Greedy, the bundled model counts on until max_output_tokens with every KV dtype (a story or counting
 # in words ends after 13 to 30 tokens with int4).
 LONG_REPLY = "Write the numbers from 1 to 500, one per line."
+NO_END = {"0": -100, "2": -100}  # logit_bias: <|endoftext|> and <|im_end|> never sampled
 
 
 def stored_args(cache_dir):
@@ -329,7 +330,10 @@ def test_a_response_queued_past_the_queue_timeout_is_overloaded(limited):
         await p.until("conversation.item.done")
         await q.send(user_item("Name a colour."))
         await q.until("conversation.item.done")
-        await p.send({"type": "response.create", "response": {"max_output_tokens": 120, "temperature": 0}})
+        # P's greedy reply must outlast Q's queue timeout: its end tokens are banned (int4 keys over a 32-token
+        # window ended it after 12 tokens once the products' rounding changed)
+        await p.send({"type": "response.create", "response": {"max_output_tokens": 120, "temperature": 0,
+                                                               "logit_bias": NO_END}})
         await p.until("response.output_text.delta")
         t0 = time.monotonic()
         await q.send({"type": "response.create", "response": {"max_output_tokens": 8, "temperature": 0}})
