@@ -151,10 +151,9 @@ static inline void prefetch_rows(const Grouped *w, int64_t r, int64_t rows) {
     if (w->zero) prefetch_span((const char *)(w->zero + r * groups), rows * groups * 4);
 }
 
-/* ---- one or two rows of x (a single session's decode): straight from the codes ----
+/* ---- the rows of x a decode step has: straight from the codes ----
  *
- * At one row the panel's L1 buffer and the tile's pairs of rows below only add work. Each group is
- * widened and multiplied where it lies, four 4-bit weight rows per pass over a group of x (x's
+ * For one or two rows (a single session) each group is widened and multiplied where it lies, four 4-bit weight rows per pass over a group of x (x's
  * registers serve them all; 8-bit rows are long enough to go one at a time: four of the output head's
  * 576-byte rows read side by side ran at two thirds of the speed of one), and a row's product is
  *
@@ -276,16 +275,13 @@ static void run_rows(const float *x, const X8 *x8, int i, int M, const Grouped *
  * result does not depend on how many rows share the step (a batch equals each session alone). */
 static void direct_chunk(const float *x, const X8 *x8, int m, const Grouped *w, int64_t r0, int64_t r1,
                          float *wide, const float *a, const float *b, float *out) {
+    /* wide: the caller's buffer when the rows are a float batch (m > FEW_ROWS), else NULL */
     const int R = rows_per_pass(w->bits);
     for (int64_t r = r0; r < r1; r += R) {
         if (r + R < r1) prefetch_rows(w, r + R, r1 - r - R < R ? r1 - r - R : R);
-        const float *src = NULL;
-        if (wide && !x8 && m > FEW_ROWS) {
-            widen_rows(w, r, wide);
-            src = wide;
-        }
+        if (wide) widen_rows(w, r, wide);
         for (int i = 0; i < m; i += FEW_ROWS)
-            run_rows(x, x8, i, m - i < FEW_ROWS ? m - i : FEW_ROWS, w, r, r1, src, a, b, out);
+            run_rows(x, x8, i, m - i < FEW_ROWS ? m - i : FEW_ROWS, w, r, r1, wide, a, b, out);
     }
 }
 
