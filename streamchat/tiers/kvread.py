@@ -36,8 +36,8 @@ from pathlib import Path
 
 from streamchat.config import EVICTIONS
 from streamchat.tiers import kvfile
-from streamchat.tiers.kvfile import (ANY_MARK, KVFileError, KVLayout, SeqState, Snapshot, checksum, expected_tensors,
-                                     mark_refusal)
+from streamchat.tiers.kvfile import (ANY_MARK, CHECKSUMS, KVFileError, KVLayout, SeqState, Snapshot, checksum,
+                                     expected_tensors, mark_refusal)
 
 DTYPES = ("BF16", "F16", "F32", "I8", "U8", "F8_E4M3")  # safetensors' names of every dtype kvfile writes
 MAX_COUNT = 1 << 53  # counters beyond any real session (and beyond what JSON carries exactly)
@@ -50,7 +50,10 @@ def read(path: Path, layout: KVLayout, session_id: str, mark=ANY_MARK, *, vocab_
     """The snapshot in `path`, or KVFileError saying why it must not be used."""
     meta = read_frame(path)[1]
     tensors = _load_tensors(path)
-    if checksum(meta["streamchat"], tensors) != meta["checksum"]:
+    kind = meta["checksum"].partition(":")[0]
+    if kind not in CHECKSUMS:
+        raise KVFileError("checksum", f"a checksum of unknown kind {_show(kind)} (known: {', '.join(CHECKSUMS)})")
+    if checksum(meta["streamchat"], tensors, kind) != meta["checksum"]:
         raise KVFileError("checksum", "contents do not match the checksum")
     header = _json_object(meta["streamchat"], "the streamchat header")
     _check_identity(header, layout, session_id)

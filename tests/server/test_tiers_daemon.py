@@ -62,11 +62,11 @@ def rest_of_log(d):
     return "".join(d.log) + d.proc.stdout.read()
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "float", "fp8", "int4"])
 def test_sigterm_restart_resume_continues_exactly_as_without_restart(tmp_path, kv_dtype):
     """Two identical sessions with evictions: one continues live, the other after SIGTERM + restart
     and a resume from disk (by two sockets at once), with the same greedy reply; in every KV storage
-    (auto is int8 here; fp8 and int4 keep their scales in the file)."""
+    (auto is int8 here; float is the model's dtype; fp8 and int4 keep their scales in the file)."""
     db = tmp_path / "s.db"
     args = [*TIER_ARGS, "--checkpoint-idle-s", "0", "--kv-dtype", kv_dtype]
     a = Daemon(db, *args).start()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tierkit import SID, VOCAB, layout, refused, same_bytes, snapshot
 
-from streamchat.tiers import kvfile
+from streamchat.tiers import kvfile, kvread
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8", "int4"])
@@ -24,7 +24,7 @@ def test_round_trip_is_bit_exact_for_every_kv_dtype(tmp_path, kv_dtype):
     header, meta = kvfile.read_header(path)
     assert header["format"] == "streamchat.kv" and header["version"] == 5
     assert header["layout"]["kv_dtype"] == kv_dtype and header["state"]["token_ids"] == snap.state.token_ids
-    assert meta["checksum"].startswith("blake2b-128:")
+    assert meta["checksum"].startswith("crc32:") and len(meta["checksum"]) == len("crc32:") + 8
     assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]
 
 
@@ -40,6 +40,37 @@ def test_corrupt_tensor_bytes_and_header_fail_the_checksum(written):
     assert edited != bytes(data)
     path.write_bytes(edited)
     assert refused(path, lay)[0] == "checksum"
+
+
+def _rewritten(path, edit) -> None:
+    """Rewrite `path` with the same tensors and header, its checksum `edit(header, tensors)`."""
+    from safetensors.torch import save_file
+
+    header, meta = kvfile.read_header(path)
+    tensors = {k: v.clone() for k, v in kvread._load_tensors(path).items()}
+    save_file(tensors, str(path), metadata={"streamchat": meta["streamchat"],
+                                            "checksum": edit(meta["streamchat"], tensors)})
+
+
+def test_a_file_written_with_the_older_blake2b_checksum_is_still_read(written):
+    """Files saved before the CRC-32 change resume exactly; a flipped byte fails their checksum too."""
+    lay, path = written
+    want = kvfile.read(path, lay, SID, vocab_size=VOCAB)
+    _rewritten(path, lambda h, t: kvfile.checksum(h, t, "blake2b-128"))
+    assert kvfile.read_header(path)[1]["checksum"].startswith("blake2b-128:")
+    back = kvfile.read(path, lay, SID, vocab_size=VOCAB)
+    assert same_bytes(back.tensors, want.tensors) and back.state == want.state
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert refused(path, lay)[0] == "checksum"
+
+
+def test_a_checksum_of_an_unknown_kind_is_refused_naming_the_known(written):
+    lay, path = written
+    _rewritten(path, lambda h, t: "sha256:" + "0" * 64)
+    reason, message = refused(path, lay)
+    assert reason == "checksum" and "sha256" in message and "crc32, blake2b-128" in message, message
 
 
 @pytest.mark.parametrize("keep", [0, 5, 8, 200, -1, -4096])
