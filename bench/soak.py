@@ -3,7 +3,12 @@
 For --minutes (default 10) against one `streamchat serve` on this machine:
 
     chat        --chats websocket sessions: a user item, a greedy reply, again; now and then the
-                connection is dropped and the session resumed with its token
+                connection is dropped and the session resumed with its token. Each starts with
+                --chat-history tokens of the shipped text, brought before the clock starts: past
+                the default 2,048-token window, so every chat attends to a full window from its
+                first turn to its last and the first minute's load is the last minute's (with
+                --chat-history 0 the chats start empty and their contexts grow for the first
+                minutes, so the last minute's gaps include that growth, not only the daemon's)
     feed        one session appending text and committing it, as `streamchat feed` does
     http        streamed /v1/chat/completions, one after another
     stalled     a websocket that asks for a reply and then reads nothing for 20 s
@@ -43,6 +48,7 @@ from pathlib import Path
 
 import orjson
 from common import percentile
+from longchat import histories
 from websockets.asyncio.client import connect
 
 PROMPTS = ["Tell me about the sea.", "Name three fruits.", "What is a lighthouse?", "Describe a cat.",
@@ -89,9 +95,26 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
+async def seed_chats(url: str, texts: list[str]) -> list[tuple[str, str]]:
+    """A session per text, the text its history (committed, a 1-token reply); (id, resume token) each."""
+    seeds = []
+    for text in texts:
+        async with connect(url, max_size=1 << 22) as ws:
+            created = orjson.loads(await ws.recv())["session"]
+            for i in range(0, len(text), 4000):
+                await ws.send(orjson.dumps({"type": "streamchat.input_text.append", "text": text[i:i + 4000]}).decode())
+            await ws.send(orjson.dumps({"type": "streamchat.input_text.commit"}).decode())
+            await ws.send(orjson.dumps({"type": "response.create",
+                                        "response": {"max_output_tokens": 1, "temperature": 0}}).decode())
+            if await _until(ws, "response.done", collections.Counter()) is None:
+                raise RuntimeError("a chat's history was refused")
+            seeds.append((created["id"], created["resume_token"]))
+    return seeds
+
+
 class Soak:
-    def __init__(self, daemon: Daemon, args) -> None:
-        self.d, self.args = daemon, args
+    def __init__(self, daemon: Daemon, args, seeds: list[tuple[str, str] | None]) -> None:
+        self.d, self.args, self.seeds = daemon, args, seeds
         self.t0 = time.monotonic()
         self.errors: collections.Counter = collections.Counter()
         self.acked: dict[str, set[str]] = collections.defaultdict(set)  # session -> acknowledged item ids
@@ -110,7 +133,7 @@ class Soak:
         return f"ws://127.0.0.1:{self.d.port}/v1/realtime"
 
     async def chat(self, i: int) -> None:
-        sid = token = None
+        sid, token = self.seeds[i] or (None, None)
         turn = 0
         while not self.stop:
             await self.up.wait()
@@ -310,7 +333,13 @@ async def run(args) -> None:
     folder = Path(tempfile.mkdtemp(prefix="soak-"))
     d = Daemon(folder / "s.db", ["--checkpoint-idle-s", "2", "--send-timeout-s", "5"])
     d.start()
-    soak = Soak(d, args)
+    seeds: list = [None] * args.chats
+    if args.chat_history:
+        started = time.monotonic()
+        seeds = await seed_chats(f"ws://127.0.0.1:{d.port}/v1/realtime", histories(args.chats, args.chat_history))
+        print(f"  {args.chats} chats brought ~{args.chat_history} tokens of history each in "
+              f"{time.monotonic() - started:.1f} s; the clock starts now", flush=True)
+    soak = Soak(d, args, seeds)
     tasks = [asyncio.create_task(soak.chat(i)) for i in range(args.chats)]
     tasks += [asyncio.create_task(c()) for c in (soak.http, soak.feed, soak.stalled, soak.bad, soak.sample_rss)]
     killer = asyncio.create_task(soak.killer())
@@ -333,7 +362,8 @@ def report(soak: Soak, lost: int, args) -> None:
 
     first, last = gaps(0, 1), gaps(args.minutes - 1, args.minutes + 1)
     rss = soak.rss
-    print(f"\nsoak of {args.minutes} min, {args.chats} chats, a kill every {args.kill_every_s:.0f} s")
+    print(f"\nsoak of {args.minutes} min, {args.chats} chats from ~{args.chat_history} tokens of history, "
+          f"a kill every {args.kill_every_s:.0f} s")
     print(f"  acknowledged items lost     {lost} of {sum(len(v) for v in soak.acked.values())}")
     worst = max(soak.lost_text, default=(0, 0.0))
     print(f"  streamed text lost per kill max {worst[0]} characters, ~{worst[1]:.2f} s of tokens "
@@ -344,6 +374,8 @@ def report(soak: Soak, lost: int, args) -> None:
               f"({(rss[-1][1] / at1 - 1) * 100:+.1f}%)")
     fmt = lambda p: "n/a" if p[0] is None else f"{p[0] * 1000:.0f}/{p[1] * 1000:.0f} ms"  # noqa: E731
     print(f"  inter-token p50/p99         first minute {fmt(first)}, last minute {fmt(last)}")
+    by_minute = [gaps(m, m + 1)[0] for m in range(int(args.minutes + 0.999))]
+    print("  inter-token p50 by minute   " + " ".join("n/a" if g is None else f"{g * 1000:.0f}" for g in by_minute))
     print(f"  errors by code              {dict(sorted(soak.errors.items()))}")
     print(f"  internal errors             {soak.errors.get('internal', 0)}")
 
@@ -352,6 +384,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--chats", type=int, default=4)
+    p.add_argument("--chat-history", type=int, default=2100,
+                   help="tokens of history each chat starts with (default 2100: past the 2,048-token window)")
     p.add_argument("--kill-every-s", type=float, default=120.0)
     asyncio.run(run(p.parse_args()))
 

@@ -40,6 +40,7 @@ JSON = {"Content-Type": "application/json"}
 SSE = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 # An engine error code -> HTTP status and OpenAI error type
 ENGINE_ERRORS = {"overloaded": (503, "server_error"), "engine_unavailable": (503, "server_error"),
+                 "engine_restarting": (503, "server_error"),
                  "pending_limit_exceeded": (413, "invalid_request_error"), "internal": (500, "server_error")}
 
 

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from streamchat.cache.block_pool import BlockPool  # noqa: E402
 from streamchat.cache.manager import KVCacheManager  # noqa: E402
-from streamchat.config import CacheConfig  # noqa: E402
+from streamchat.config import CacheConfig, ConfigError  # noqa: E402
 from streamchat.model.batch import SeqChunk, StepBatch  # noqa: E402
 from streamchat.kernels.backend import TritonBackend  # noqa: E402
 from streamchat.model.attention import TorchBackend, make_backend  # noqa: E402
@@ -36,6 +36,21 @@ def tiny_models():
     state = LlamaForCausalLM(config).eval().state_dict()
     return [LoadedModel(None, config, None, LlamaModel(config, state, torch.float32, DEVICE, backend))
             for backend in (TorchBackend(), TritonBackend())]
+
+
+def test_int4_kv_on_triton_is_refused_and_on_torch_is_not():
+    """The Triton kernels read float, int8 and fp8 pools; int4 is refused by name at start-up, not served
+    wrong. (fp8 is left out of the steps below: the interpreter's float32 -> fp8 conversion mis-rounds,
+    see test_kernel_write_kv.)"""
+    config = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)  # head_dim 32
+    state = LlamaForCausalLM(config).eval().state_dict()
+    torch_model, triton_model = (LoadedModel(None, config, None, LlamaModel(config, state, torch.float32, DEVICE, b))
+                                 for b in (TorchBackend(), TritonBackend()))
+    cache = CacheConfig(block_size=16, num_blocks=8, kv_dtype="int4")
+    with pytest.raises(ConfigError, match="int4 runs on the torch .* not triton"):
+        ModelRunner(triton_model, cache)
+    assert ModelRunner(torch_model, cache).kv_dtype == "int4"
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])

@@ -102,6 +102,49 @@ def test_a_core_killed_mid_reply_fails_the_reply_and_every_session_comes_back(tm
         d.stop()
 
 
+def test_an_http_completion_cut_by_a_core_restart_is_503_with_retry_after(tmp_path):
+    """A chat completion in flight when the core is killed is a server error the client may retry (503,
+    engine_restarting, Retry-After), not a 400 that says its request was bad (as bench/soak.py once saw);
+    the same request after the restart completes."""
+    import http.client
+    import threading
+
+    d = Daemon(tmp_path / "s.db").start()
+    try:
+        body = orjson.dumps({"model": "SmolLM2-135M-Instruct", "max_tokens": 256, "temperature": 0,
+                             "logit_bias": {"0": -100, "2": -100},  # no end token: still running at the kill
+                             "messages": [{"role": "user", "content": "Count from 1 to 1000."}]})
+        got = {}
+
+        def post():
+            conn = http.client.HTTPConnection("127.0.0.1", int(d.http.rsplit(":", 1)[1]), timeout=120)
+            conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            got.update(status=r.status, retry=r.getheader("Retry-After"), doc=orjson.loads(r.read()))
+
+        steps = metric(d, "streamchat_decode_steps_total") or 0.0
+        t = threading.Thread(target=post)
+        t.start()
+        deadline = time.monotonic() + 60
+        while (metric(d, "streamchat_decode_steps_total") or 0.0) < steps + 5:  # its reply is decoding
+            assert time.monotonic() < deadline and t.is_alive(), ("the completion never started decoding", got)
+            time.sleep(0.05)
+        os.kill(health(d)["engine"]["pid"], signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive()
+        assert (got["status"], got["doc"]["error"]["code"], got["retry"]) == (503, "engine_restarting", "1"), got
+        got.clear()
+        deadline = time.monotonic() + 60
+        while health(d)["status"] != "ok":
+            assert time.monotonic() < deadline, "the core did not come back"
+            time.sleep(0.1)
+        body = body.replace(b'"max_tokens":256', b'"max_tokens":4')
+        post()
+        assert got["status"] == 200 and got["doc"]["choices"][0]["message"]["content"], got
+    finally:
+        d.stop()
+
+
 def test_files_are_read_off_the_step_loop(tmp_path):
     """Sessions resumed from disk while another streams: all three come back from disk and the stream keeps
     delivering tokens while they do (the read itself is shown to run on the reader thread in
