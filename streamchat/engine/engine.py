@@ -238,7 +238,7 @@ class Engine(TextCalls, Admission):
         return events
 
     def session_stats(self, session_id: str) -> api.SessionStats:
-        s = self._get(session_id)
+        s = self._get(session_id, touch=False)  # reading a session's figures is not using it
         st = self.manager.stats(s.seq)
         if s.parked is not None:  # in a lower tier: its cache as it will come back
             st = st._replace(context_tokens=len(s.parked.token_ids), evicted_tokens=s.parked.evicted_tokens)
@@ -251,11 +251,12 @@ class Engine(TextCalls, Admission):
             queued_tokens=s.queued_tokens, residency=s.residency.value, on_disk=self.placer.on_disk(s),
             eviction=s.seq.eviction)
 
-    def _get(self, session_id: str) -> EngineSession:
+    def _get(self, session_id: str, touch: bool = True) -> EngineSession:
         s = self.sessions.get(session_id)
         if s is None:
             raise EngineError("session_not_found", f"no session {session_id}")
-        s.last_active = self.clock()
+        if touch:
+            s.last_active = self.clock()
         return s
 
     # -- the step -----------------------------------------------------------------------

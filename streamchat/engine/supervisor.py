@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from streamchat.engine import launch, wire
+from streamchat.engine import launch, outreader, wire
 from streamchat.engine.api import EngineSnapshot
 
 log = logging.getLogger(__name__)
@@ -141,58 +141,20 @@ class CoreSupervisor:
         return wire.FATAL, ("error", f"the engine core did not start within {self.sup.start_timeout_s:g} s")
 
     async def _read(self, sock, proc, epoch: int, ended: asyncio.Event) -> None:
-        """Take the core's messages until it has ended and said all it had to say.
-
-        The socket's file descriptor wakes this loop (its readiness is an edge: every message waiting
-        is taken before the next wait), and the messages are taken with plain non-blocking receives:
-        pyzmq's awaitable poll and receive cost about a third of the front's CPU per streamed token,
-        time the core's two step threads lost on a 2-core machine."""
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        fd = sock.getsockopt(zmq.FD)
-        loop.add_reader(fd, wake.set)
-        beat = loop.call_later(0.1, wake.set)  # `ended` is looked at at least this often
-        try:
-            while True:
-                try:
-                    taken = self._take_waiting(sock)
-                except zmq.ZMQError:  # closed: that core is gone
-                    break
-                if taken:
-                    continue
-                if ended.is_set():
-                    break
-                wake.clear()
-                if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # arrived since the last receive
-                    continue
-                beat.cancel()
-                beat = loop.call_later(0.1, wake.set)
-                await wake.wait()
-        finally:
-            beat.cancel()
-            loop.remove_reader(fd)
+        """Take the core's messages until it has ended and said all it had to say."""
+        await outreader.read_until_ended(sock, ended, self._heard)
         self._exited(proc, epoch)
 
-    def _take_waiting(self, sock) -> int:
-        """Every message the core has sent that is waiting; how many (ZMQError: the socket is closed)."""
-        taken = 0
-        while True:
+    def _heard(self, frames: list[bytes]) -> None:
+        self._last_heard = time.monotonic()
+        if frames[0] == wire.FATAL:
+            self._last_word = wire.decode_fatal(frames[1])[1]
+            log.error("the engine core reports: %s", self._last_word)
+        elif frames[0] != wire.BEAT:
             try:
-                frames = [zmq.Socket.recv(sock, zmq.NOBLOCK)]  # the plain call, not pyzmq's awaitable one
-            except zmq.Again:
-                return taken
-            while sock.getsockopt(zmq.RCVMORE):  # a message's frames arrive together
-                frames.append(zmq.Socket.recv(sock, zmq.NOBLOCK))
-            taken += 1
-            self._last_heard = time.monotonic()
-            if frames[0] == wire.FATAL:
-                self._last_word = wire.decode_fatal(frames[1])[1]
-                log.error("the engine core reports: %s", self._last_word)
-            elif frames[0] != wire.BEAT:
-                try:
-                    self.take(frames[0], frames[1])
-                except Exception:  # noqa: BLE001 - a bad message must not stop the reading
-                    log.exception("could not take an output of the engine core")
+                self.take(frames[0], frames[1])
+            except Exception:  # noqa: BLE001 - a bad message must not stop the reading
+                log.exception("could not take an output of the engine core")
 
     async def send(self, frames: list[bytes]) -> bool:
         """Hand `frames` to the core that runs now; False if it takes none within SEND_WAIT_S.
