@@ -49,6 +49,7 @@ from pathlib import Path
 import orjson
 from common import percentile
 from longchat import histories
+from pagein_itl import save_sessions
 from websockets.asyncio.client import connect
 
 PROMPTS = ["Tell me about the sea.", "Name three fruits.", "What is a lighthouse?", "Describe a cat.",
@@ -93,23 +94,6 @@ def _rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
-
-
-async def seed_chats(url: str, texts: list[str]) -> list[tuple[str, str]]:
-    """A session per text, the text its history (committed, a 1-token reply); (id, resume token) each."""
-    seeds = []
-    for text in texts:
-        async with connect(url, max_size=1 << 22) as ws:
-            created = orjson.loads(await ws.recv())["session"]
-            for i in range(0, len(text), 4000):
-                await ws.send(orjson.dumps({"type": "streamchat.input_text.append", "text": text[i:i + 4000]}).decode())
-            await ws.send(orjson.dumps({"type": "streamchat.input_text.commit"}).decode())
-            await ws.send(orjson.dumps({"type": "response.create",
-                                        "response": {"max_output_tokens": 1, "temperature": 0}}).decode())
-            if await _until(ws, "response.done", collections.Counter()) is None:
-                raise RuntimeError("a chat's history was refused")
-            seeds.append((created["id"], created["resume_token"]))
-    return seeds
 
 
 class Soak:
@@ -336,7 +320,7 @@ async def run(args) -> None:
     seeds: list = [None] * args.chats
     if args.chat_history:
         started = time.monotonic()
-        seeds = await seed_chats(f"ws://127.0.0.1:{d.port}/v1/realtime", histories(args.chats, args.chat_history))
+        seeds = await save_sessions(f"ws://127.0.0.1:{d.port}/v1/realtime", histories(args.chats, args.chat_history))
         print(f"  {args.chats} chats brought ~{args.chat_history} tokens of history each in "
               f"{time.monotonic() - started:.1f} s; the clock starts now", flush=True)
     soak = Soak(d, args, seeds)

@@ -23,7 +23,13 @@ async def read_until_ended(sock, ended: asyncio.Event, on_message: Callable[[lis
     wake = asyncio.Event()
     fd = sock.getsockopt(zmq.FD)
     loop.add_reader(fd, wake.set)
-    beat = loop.call_later(LOOK_EVERY_S, wake.set)
+
+    def look() -> None:  # one timer for the reader's life, not one per wait
+        nonlocal beat
+        wake.set()
+        beat = loop.call_later(LOOK_EVERY_S, look)
+
+    beat = loop.call_later(LOOK_EVERY_S, look)
     try:
         while True:
             try:
@@ -37,8 +43,6 @@ async def read_until_ended(sock, ended: asyncio.Event, on_message: Callable[[lis
             wake.clear()
             if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # arrived since the last receive
                 continue
-            beat.cancel()
-            beat = loop.call_later(LOOK_EVERY_S, wake.set)
             await wake.wait()
     finally:
         beat.cancel()

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from tierkit import SID, VOCAB, layout, refused, same_bytes, snapshot
+from tierkit import SID, VOCAB, layout, refused, same_bytes, snapshot, write_raw
 
 from streamchat.tiers import kvfile, kvread
 
@@ -42,14 +42,10 @@ def test_corrupt_tensor_bytes_and_header_fail_the_checksum(written):
     assert refused(path, lay)[0] == "checksum"
 
 
-def _rewritten(path, edit) -> None:
-    """Rewrite `path` with the same tensors and header, its checksum `edit(header, tensors)`."""
-    from safetensors.torch import save_file
-
-    header, meta = kvfile.read_header(path)
+def _rewritten(path, checksum) -> None:
+    """Rewrite `path` with the same header and tensors under `checksum(header_json, tensors)`."""
     tensors = {k: v.clone() for k, v in kvread._load_tensors(path).items()}
-    save_file(tensors, str(path), metadata={"streamchat": meta["streamchat"],
-                                            "checksum": edit(meta["streamchat"], tensors)})
+    write_raw(path, None, tensors, header_json=kvfile.read_header(path)[1]["streamchat"], checksum=checksum)
 
 
 def test_a_file_written_with_the_older_blake2b_checksum_is_still_read(written):

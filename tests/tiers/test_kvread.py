@@ -10,18 +10,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save, save_file
-from tierkit import SID, VOCAB, layout, refused, snapshot
+from safetensors.torch import save
+from tierkit import SID, VOCAB, layout, refused, snapshot, write_raw
 
 from streamchat.config import EVICTIONS
 from streamchat.tiers import kvfile, kvread
 from streamchat.tiers.kvfile import SeqState, expected_tensors
-
-def write_raw(path, header: dict, tensors: dict, header_json: str | None = None) -> None:
-    """A file with this header and these tensors under a checksum that holds, as a writer that erred would."""
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")) if header_json is None else header_json
-    save_file(tensors, str(path), metadata={"streamchat": text, "checksum": kvfile.checksum(text, tensors)})
-
 
 def edited(path, lay, edit) -> None:
     """Rewrite `path` (a valid file) with `edit(header)` applied and a checksum that holds."""

@@ -1,7 +1,10 @@
 """Small layouts and snapshots for the tier tests (no model needed)."""
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from streamchat.model.kv_spec import FullAttentionSpec, MLAAttentionSpec
 from streamchat.tiers import kvfile
@@ -51,3 +54,11 @@ def refused(path, lay, session_id=SID, mark=ANY_MARK, vocab_size=VOCAB) -> tuple
     with pytest.raises(KVFileError) as err:
         kvfile.read(path, lay, session_id, mark, vocab_size=vocab_size)
     return err.value.reason, str(err.value)
+
+
+def write_raw(path, header: dict | None, tensors: dict, header_json: str | None = None,
+              checksum=kvfile.checksum) -> None:
+    """A file with this header (or this header JSON) and these tensors under `checksum(text, tensors)`: by
+    default one that holds, as a writer that erred would."""
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")) if header_json is None else header_json
+    save_file(tensors, str(path), metadata={"streamchat": text, "checksum": checksum(text, tensors)})
