@@ -325,3 +325,17 @@ def omp_wait_defaults() -> None:
     """Set OMP_WAIT (each unless already set); call before torch is imported."""
     for name, value in OMP_WAIT.items():
         os.environ.setdefault(name, value)
+
+
+def freeze_startup_heap() -> int:
+    """Collect once, then keep every object alive now out of the cyclic collector's passes
+    (`gc.freeze`); returns how many were frozen. Call when a process has started (model, tokenizer,
+    libraries loaded). A full collection walks every tracked object: in the engine core, with the
+    model and its libraries loaded, one took 142-156 ms on the thread that runs the steps (a gap
+    of that size in every stream) and came every few minutes of serving; after the freeze it walks
+    only what was made since. Objects frozen here live as long as the process anyway."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

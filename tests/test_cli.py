@@ -206,3 +206,18 @@ def test_omp_wait_defaults_spin_briefly_then_sleep_and_leave_set_values(monkeypa
     omp_wait_defaults()
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and OMP_WAIT["GOMP_SPINCOUNT"] == "30000"
     assert os.environ["GOMP_SPINCOUNT"] == "0"
+
+
+def test_freeze_startup_heap_keeps_what_lives_now_out_of_the_collectors_passes():
+    import gc
+
+    from streamchat.config import freeze_startup_heap
+
+    before = gc.get_freeze_count()
+    alive = [[i] for i in range(1000)]  # 1,000 tracked objects made before the freeze
+    try:
+        frozen = freeze_startup_heap()
+        assert frozen == gc.get_freeze_count() >= before + len(alive)
+        assert gc.get_count()[0] < 100  # and the youngest generation starts over
+    finally:
+        gc.unfreeze()

@@ -81,7 +81,10 @@ class EngineCore:
         """Build the engine (unless given), say ready, serve until stopped; the exit code."""
         try:
             if self.engine is None:
+                from streamchat.config import freeze_startup_heap
+
                 self.engine = build_engine(self.config)
+                freeze_startup_heap()
             self.outbox.put([wire.READY, wire.encode(core_info(self.engine, self.config))])
         except BaseException as exc:  # noqa: BLE001 - the front must hear why, then we exit
             from streamchat.config import ConfigError

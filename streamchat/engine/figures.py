@@ -19,8 +19,8 @@ def take_snapshot(eng) -> EngineSnapshot:
     residency = [s.residency.value for s in sessions]
     return EngineSnapshot(
         kv_blocks_free=pool.num_free - pool.num_cached_free, kv_blocks_cached=pool.num_cached_free,
-        kv_blocks_used=pool.num_used, kv_blocks_shared=sum(1 for c in pool.ref_counts if c > 1),
-        kv_blocks_held=len({b for s in sessions for b in s.seq.block_ids}),
+        kv_blocks_used=pool.num_used, kv_blocks_shared=pool.num_shared,
+        kv_blocks_held=len(set().union(*(s.seq.block_ids for s in sessions))),
         kv_blocks_total=pool.num_usable, kv_bytes_per_token=eng.runner.bytes_per_token,
         kv_bytes_per_block=eng.runner.bytes_per_block,
         sessions=len(sessions), sessions_running=running, sessions_waiting=waiting,

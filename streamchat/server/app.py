@@ -23,7 +23,7 @@ import orjson
 from websockets.datastructures import Headers
 from websockets.http11 import Response
 
-from streamchat.config import Config, omp_wait_defaults
+from streamchat.config import Config, freeze_startup_heap, omp_wait_defaults
 from streamchat.engine.api import EngineError
 from streamchat.server import asgi, fleet, front, web
 from streamchat.server.origins import host_allowed, is_loopback, self_origins
@@ -381,6 +381,7 @@ async def _serve(config: Config, log_level: str, log_format: str) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.stopping.set)
+    freeze_startup_heap()
     print(f"streamchat: listening on ws://{config.server.host}:{daemon.port}{REALTIME_PATH}", flush=True)
     await daemon.stopping.wait()
     log.info("shutting down")

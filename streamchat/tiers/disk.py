@@ -5,11 +5,12 @@ own files in it are ever indexed, counted or deleted): file names (never
 taken from client input unchecked), the index of what is there (size, last
 use, and for copies written by this process the session version they hold),
 deleting the least recently used files beyond the budget, removing
-half-written temp files on start, and two background threads: one writes,
-one reads. Saving hands a snapshot to the writer and returns at once; until
-it is on disk, `load` serves it from memory. `load_async` reads and checks a
-file on the reader thread and hands the result to a callback, so the
-engine's step loop never waits on a disk. The file format is `kvfile`'s.
+half-written temp files on start, and background threads: one writes, and
+an `IdleWorker` reads (at idle priority, rescued at nice 10 when starved).
+Saving hands a snapshot to the writer and returns at once; until it is on
+disk, `load` serves it from memory. `load_async` reads and checks a file on
+the reader's threads and hands the result to a callback, so the engine's
+step loop never waits on a disk. The file format is `kvfile`'s.
 Thread-safe: the engine's loop saves and asks for loads, the reader thread
 loads, the writer thread writes.
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import queue
 import os
 import re
 import threading
@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from streamchat.tiers import datadir, kvfile
+from streamchat.tiers.idle_worker import IdleWorker, lower_priority
 from streamchat.tiers.kvfile import ANY_MARK, KVFileError, KVLayout, Snapshot
 
 log = logging.getLogger(__name__)
 
 SESSION_ID = re.compile(r"sess_[0-9a-f]{32}")
 MAX_PENDING_BYTES = 1 << 30  # snapshots waiting for the writer; save() waits beyond this
-BACKGROUND_NICE = 10  # the reader's and the writer's priority (Linux nice, per thread)
 # A temp file younger than this may be another daemon's write in progress (a fleet shares the folder).
 STALE_TEMP_S = 600.0
 
@@ -99,9 +99,7 @@ class DiskTier:
         self._thread = threading.Thread(target=self._run, name="streamchat-disk-writer", daemon=True)
         self._stopping = False
         self._thread.start()
-        self._reads: queue.SimpleQueue = queue.SimpleQueue()
-        self._reader = threading.Thread(target=self._read_loop, name="streamchat-disk-reader", daemon=True)
-        self._reader.start()
+        self._reader = IdleWorker("streamchat-disk-reader")
 
     # -- figures ----------------------------------------------------------------------
 
@@ -197,24 +195,17 @@ class DiskTier:
         return snap
 
     def load_async(self, session_id: str, mark, done) -> None:
-        """`load` on the reader thread; `done(snapshot or KVFileError)` is called there."""
-        self._reads.put((session_id, mark, done))
+        """`load` on the reader's threads; `done(snapshot or KVFileError)` is called there, once."""
+        self._reader.submit(lambda: self._read(session_id, mark), done)
 
-    def _read_loop(self) -> None:
-        _background()
-        while True:
-            item = self._reads.get()
-            if item is None:
-                return
-            session_id, mark, done = item
-            try:
-                result = self.load(session_id, mark)
-            except KVFileError as exc:
-                result = exc
-            except Exception as exc:  # noqa: BLE001 - a reader bug must not lose the request
-                log.exception("reading the saved file of %s failed", session_id)
-                result = KVFileError("unreadable", repr(exc))
-            done(result)
+    def _read(self, session_id: str, mark) -> Snapshot | KVFileError:
+        try:
+            return self.load(session_id, mark)
+        except KVFileError as exc:
+            return exc
+        except Exception as exc:  # noqa: BLE001 - a reader bug must not lose the request
+            log.exception("reading the saved file of %s failed", session_id)
+            return KVFileError("unreadable", repr(exc))
 
     def delete(self, session_id: str) -> None:
         """Forget the session's copy: cancel its write, remove its file."""
@@ -238,13 +229,12 @@ class DiskTier:
             self._stopping = True
             self._lock.notify_all()
         self._thread.join()
-        self._reads.put(None)
-        self._reader.join()
+        self._reader.close()
 
     # -- the writer thread ------------------------------------------------------------
 
     def _run(self) -> None:
-        _background()
+        lower_priority(idle=False)  # writing and checksumming at nice 0 slowed every stream's steps
         while True:
             with self._lock:
                 while not self._queue and not self._stopping:
@@ -342,15 +332,6 @@ class DiskTier:
             log.warning("disk tier %s: %d entries are not streamchat session files and are left alone "
                         "(never read, counted or deleted): %s%s", self.root, len(others), ", ".join(others[:5]),
                         " ..." if len(others) > 5 else "")
-
-
-def _background() -> None:
-    """This thread yields the CPU to the step loop: on a machine whose cores the model's threads fill,
-    reading, checksumming and writing files at the same priority slowed every stream's steps."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-    except (AttributeError, OSError):  # not Linux, or not allowed: the files are still read off the loop
-        pass
 
 
 def _age_s(entry: os.DirEntry) -> float:

@@ -120,6 +120,10 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.check()
         for b in range(1, 9):
             assert self.pool.ref_counts[b] == self.refs.get(b, 0)
+        # the figures' counts against their definitions, block by block
+        free = [b for b in range(1, 9) if self.refs.get(b, 0) == 0]
+        assert self.pool.num_cached_free == sum(1 for b in free if self.pool.is_cached(b))
+        assert self.pool.num_shared == sum(1 for b in range(1, 9) if self.refs.get(b, 0) > 1)
 
 
 TestPoolMachine = PoolMachine.TestCase
