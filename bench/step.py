@@ -78,7 +78,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--mass", action="store_true", help="alternate with steps that compute h2o's attention mass")
     p.add_argument("--kv-dtype", default="float", help="KV storage, or several comma-separated (float,int8)")
-    p.add_argument("--decode-activations", default="float32", help="float32, int8, or both comma-separated")
+    p.add_argument("--decode-activations", default="float32", help="float32, mixed, int8, or several comma-separated")
     p.add_argument("--against", action="append", default=[], help="another cpu_decode.c to time alongside")
     p.add_argument("--sample", action="store_true",
                    help="time each step with its sampling too, as the daemon's step does: the model's default "

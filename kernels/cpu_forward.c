@@ -26,11 +26,13 @@ typedef struct {
     float *k_scale, *v_scale;             /* an int8 pool's scale per row; NULL for a float pool */
 } DecodeLayer;
 
+enum { X8_QKV = 1, X8_O = 2, X8_GATE_UP = 4, X8_DOWN = 8 };  /* cpu_forward.py X8_BITS */
+
 typedef struct {
     int num_layers, hidden, heads, kv_heads, head_dim, inter;
     float eps, scale;
     int pool_dtype; /* 0 float32, 1 bfloat16, 2 float16, 3 int8 with scales */
-    int x8;         /* decode activations rounded to 8 bits (group_linear_x8) */
+    int x8;         /* which products take activations rounded to 8 bits (group_linear_x8): X8_* bits */
     const DecodeLayer *layers;
 } DecodeStack;
 
@@ -75,7 +77,7 @@ int decode_stack(float *h, int m, const DecodeStack *s, const DecodeStep *st) {
     for (int l = 0; l < s->num_layers && rc == 0; l++) {
         const DecodeLayer *L = &s->layers[l];
         rms_norm(h, L->input_norm, x, m, hd, s->eps);
-        if (linear(x, &L->qkv, qkv, m, s->x8)) { rc = -2; break; }
+        if (linear(x, &L->qkv, qkv, m, s->x8 & X8_QKV)) { rc = -2; break; }
         for (int i = 0; i < m; i++) {
             const float *row = qkv + (size_t)i * qkvn;
             memcpy(q + (size_t)i * qn, row, sizeof(float) * qn);
@@ -93,16 +95,16 @@ int decode_stack(float *h, int m, const DecodeStack *s, const DecodeStep *st) {
             rc = -2;
             break;
         }
-        if (linear(att, &L->o, tmp, m, s->x8)) { rc = -2; break; }
+        if (linear(att, &L->o, tmp, m, s->x8 & X8_O)) { rc = -2; break; }
         for (size_t j = 0; j < (size_t)m * hd; j++) h[j] += tmp[j];
         rms_norm(h, L->post_norm, x, m, hd, s->eps);
-        if (linear(x, &L->gate_up, gu, m, s->x8)) { rc = -2; break; }
+        if (linear(x, &L->gate_up, gu, m, s->x8 & X8_GATE_UP)) { rc = -2; break; }
         for (int i = 0; i < m; i++) {
             const float *g = gu + (size_t)i * 2 * s->inter, *u = g + s->inter;
             float *a = act + (size_t)i * s->inter;
             for (int j = 0; j < s->inter; j++) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
         }
-        if (linear(act, &L->down, tmp, m, s->x8)) { rc = -2; break; }
+        if (linear(act, &L->down, tmp, m, s->x8 & X8_DOWN)) { rc = -2; break; }
         for (size_t j = 0; j < (size_t)m * hd; j++) h[j] += tmp[j];
     }
     free(buf);

@@ -68,15 +68,23 @@ def pool_dtype(key: torch.Tensor, k_scale: torch.Tensor | None, head_dim: int) -
     return cpu.DTYPES[key.dtype] if k_scale is None else cpu.SCALED[key.dtype]
 
 
+X8_BITS = (1, 2, 4, 8)  # x8's bit per product: qkv, o, gate_up, down (cpu_forward.c X8_*)
+
+
+def x8_mask(qkv: bool, o: bool, gate_up: bool, down: bool) -> int:
+    """The stack's `x8`: which of a layer's products round their rows to 8 bits."""
+    return sum(bit for bit, on in zip(X8_BITS, (qkv, o, gate_up, down)) if on)
+
+
 class DecodeStack:
     """The layers of one model for `decode_stack`; the pools are bound per step (`run`), cached while the
     same tensors are passed."""
 
     def __init__(self, layers: list[LayerWeights], hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 inter: int, eps: float, scale: float, x8: bool, max_rows: int = MAX_ROWS) -> None:
+                 inter: int, eps: float, scale: float, x8: int, max_rows: int = MAX_ROWS) -> None:
         self.layers, self.head_dim, self.max_rows = layers, head_dim, min(max_rows, MAX_ROWS)
         self.shape = (len(layers), hidden, heads, kv_heads, head_dim, inter, eps, scale)
-        self.x8 = x8
+        self.x8 = int(x8)  # x8_mask: 0 none, 15 all four products
         self._bound: tuple | None = None  # (pool pointers, _Stack, its layer array)
 
     @staticmethod
@@ -102,7 +110,7 @@ class DecodeStack:
             slot.key, slot.value = p.key.data_ptr(), p.value.data_ptr()
             if p.k_scale is not None:
                 slot.k_scale, slot.v_scale = p.k_scale.data_ptr(), p.v_scale.data_ptr()
-        stack = _Stack(*self.shape, dtypes.pop(), int(self.x8), array)
+        stack = _Stack(*self.shape, dtypes.pop(), self.x8, array)
         self._bound = (key, stack, array)
         return stack
 

@@ -21,7 +21,7 @@ KV_DTYPES = ("auto", "float", "int8", "fp8", "int4")  # float: the model's dtype
 EVICTIONS = ("sink_window", "h2o")  # which block leaves a full window (see cache/manager.py)
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 WEIGHTS = ("auto", "bf16", "int8", "int4")  # auto: measured once per model and device, then cached
-DECODE_ACTIVATIONS = ("float32", "int8")
+DECODE_ACTIVATIONS = ("float32", "mixed", "int8")
 
 
 class ConfigError(ValueError):
@@ -44,7 +44,10 @@ class ModelConfig:
     # perplexity is within 1% of dense (measured once, cached). See model/weights.py.
     weights: str = "bf16"
     # What a decode step's rows multiply grouped weights (a GGUF's blocks, int8, int4) with on CPU:
-    # float32, or int8 (x rounded to 8 bits per group of 32, integer dot products: faster, not exact).
+    # float32 (exact), int8 (x rounded to 8 bits per group of 32, integer dot products: faster, not
+    # exact), or mixed (int8 into o, down and the head only; model/weights.py). Not the default: a decode
+    # row's product would then differ with the step it is in (a chunk of more rows than the groups serve
+    # multiplies the dense weights in float32), so a reply batched with a prefill would not equal it alone.
     decode_activations: str = "float32"
     cuda_graphs: bool = True  # CUDA + Triton attention: decode steps replayed as CUDA graphs; ignored elsewhere
 

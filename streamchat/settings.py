@@ -31,8 +31,8 @@ HELP = {
                 "int4, or auto (the fewest bytes whose perplexity is within 0.5%% of float's and whose step is "
                 "within 5%%, measured once per model and cached; /healthz says what it chose and why)",
     "decode_activations": "what a decode step's rows multiply grouped weights (a GGUF's blocks, int8, int4) with "
-                          "on CPU: float32, or int8 (rounded to 8 bits per group of 32, integer products: faster, "
-                          "not exact)",
+                          "on CPU: float32 (exact), int8 (rounded to 8 bits per group of 32, integer products: "
+                          "faster, not exact), or mixed (int8 into o, down and the head only: between the two)",
     "attention_backend": "auto (triton on CUDA; cpu, the C decode kernel, elsewhere; torch without a C compiler), "
                          "cpu, torch (the pure-torch reference) or triton",
     "cuda_graphs": "replay decode steps as one CUDA graph per batch-size bucket (CUDA with Triton attention "

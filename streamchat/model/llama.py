@@ -102,8 +102,9 @@ class LlamaModel(DecoderModel):
                                                   *(lin.groups for lin in linears)))
         s = self.shape
         first = self.layers[0]
+        x8 = cpu_forward.x8_mask(first.qkv.x8, first.o.x8, first.gate_up.x8, first.down.x8)
         return cpu_forward.DecodeStack(parts, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim,
-                                       first.down.groups.k, s.rms_norm_eps, self.scale, first.qkv.x8, rows)
+                                       first.down.groups.k, s.rms_norm_eps, self.scale, x8, rows)
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int, make: LinearBuilder) -> LayerWeights:

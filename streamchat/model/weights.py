@@ -19,6 +19,8 @@ the bytes), longer chunks the dense weight, so the served values are the dense o
 Decode rows through the groups multiply float32 activations by default; `activations="int8"`
 (`--decode-activations int8`) rounds them to 8 bits per group of 32 and multiplies in integers as
 llama.cpp does (kernels/cpu_linear_x8.c): faster, and not exact, so the served fingerprint says so.
+`mixed` does so in the products of MIXED_X8 only (o, down and the head: each reads a vector whose
+rounding the measured perplexity tolerated best) and keeps q/k/v and gate/up in float32.
 
 "bf16" is the issue's name for dense: the weights stay in whatever `--dtype`
 the model runs in (float32 on a CPU without bf16 instructions). The head is
@@ -49,7 +51,8 @@ QUANTIZED = ("int8", "int4")
 GGUF_INT4 = {"Q4_1": q4_1_codes, "Q4_0": q4_0_codes}
 GGUF_GROUPS = (*GGUF_INT4, "Q8_0")  # the stored types the CPU kernels read as they are
 HEAD_FORMAT = {"bf16": "bf16", "int8": "int8", "int4": "int8"}
-ACTIVATIONS = ("float32", "int8")  # what decode rows multiply the grouped weights with
+ACTIVATIONS = ("float32", "mixed", "int8")  # what decode rows multiply the grouped weights with
+MIXED_X8 = ("o_proj", "down_proj", "head")  # the products `mixed` gives 8-bit rows
 
 
 def check_device(weights: str, device: torch.device) -> None:
@@ -91,26 +94,31 @@ class LinearBuilder:
             raise ValueError(f"unknown decode activations {activations!r}; known: {', '.join(ACTIVATIONS)}")
         self.weights, self.raw, self.compute_dtype = weights, raw or {}, compute_dtype
         self.head_format = head or HEAD_FORMAT[weights]
-        self.x8 = activations == "int8"
+        self.activations = activations
         self.checked, self.mismatches = checked, 0
 
     def layer(self, w: dict[str, torch.Tensor], names: list[str], bias: torch.Tensor | None = None) -> Linear:
         """The projection of `names` fused along out_features, as `w` (dense, model dtype) holds them."""
-        return self._make(self.weights, w, names, bias)
+        return self._make(self.weights, w, names, bias, self.x8(names[0].split(".")[-2]))
 
     def head(self, w: dict[str, torch.Tensor], name: str) -> Linear:
-        return self._make(self.head_format, w, [name], None)
+        return self._make(self.head_format, w, [name], None, self.x8("head"))
 
-    def _make(self, fmt: str, w: dict[str, torch.Tensor], names: list[str], bias) -> Linear:
+    def x8(self, part: str) -> bool:
+        """Whether decode rows into `part` (a projection's name, e.g. "o_proj", or "head") are rounded
+        to 8 bits."""
+        return self.activations == "int8" or (self.activations == "mixed" and part in MIXED_X8)
+
+    def _make(self, fmt: str, w: dict[str, torch.Tensor], names: list[str], bias, x8: bool) -> Linear:
         if fmt == "int4":
-            return Int4Linear(cat_codes([self._codes(w, n) for n in names]), bias, self.compute_dtype, self.x8)
+            return Int4Linear(cat_codes([self._codes(w, n) for n in names]), bias, self.compute_dtype, x8)
         weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
         if fmt == "int8":
             groups = self._groups(w, names) if self.weights == "int4" and bias is None else None
             if groups is not None and groups.bits == 8:  # int4's head: the file's own Q8_0, exactly
-                return GroupLinear(groups, x8=self.x8)
-            return Int8Linear.quantize(weight, bias, self.compute_dtype, self.x8)
-        return DenseLinear(weight, bias, self._groups(w, names) if bias is None else None, self.x8)
+                return GroupLinear(groups, x8=x8)
+            return Int8Linear.quantize(weight, bias, self.compute_dtype, x8)
+        return DenseLinear(weight, bias, self._groups(w, names) if bias is None else None, x8)
 
     def _groups(self, w: dict[str, torch.Tensor], names: list[str]) -> "cpu.Groups | None":
         """The fused projection as the GGUF stores it, for the CPU kernels: every part 4-bit, or one

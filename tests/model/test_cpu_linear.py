@@ -180,7 +180,12 @@ def test_decode_activations_int8_reaches_every_grouped_layer():
     x = randn(2, 64, seed=6)
     assert torch.equal(lin(x), lin.groups.matmul(x, x8=True)) and not torch.equal(lin(x), lin.groups.matmul(x))
     assert torch.equal(lin(randn(33, 64)), F.linear(randn(33, 64), dense))
-    assert LinearBuilder("bf16", activations="int8").x8 and not LinearBuilder("bf16").x8
+    parts = ("q_proj", "o_proj", "gate_proj", "down_proj", "head")
+    assert all(LinearBuilder("bf16", activations="int8").x8(p) for p in parts)
+    assert not any(LinearBuilder("bf16").x8(p) for p in parts)
+    mixed = LinearBuilder("bf16", activations="mixed")  # o, down and the head only
+    assert [mixed.x8(p) for p in parts] == [False, True, False, True, True]
+    assert served_fingerprint("abc", "bf16", "mixed") == "abc+xmixed"
     with pytest.raises(ValueError, match="unknown decode activations"):
         LinearBuilder("bf16", activations="int4")
     assert served_fingerprint("abc", "bf16", "int8") == "abc+xint8"

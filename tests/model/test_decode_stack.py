@@ -125,17 +125,22 @@ def test_steps_it_does_not_take_run_the_python_layers(bundled_fp32, calls):
     assert calls == [] and mass.sum() > 0  # the Python layers filled the attention mass
 
 
-def test_eight_bit_activations_take_the_stack_too():
-    """--decode-activations int8: the stack multiplies as the layers do (group_linear_x8). Compared over the
+@pytest.mark.parametrize("activations,rounded", [("int8", (True,) * 5), ("mixed", (False, True, False, True, True))])
+def test_eight_bit_activations_take_the_stack_too(activations, rounded):
+    """--decode-activations int8 (every product) or mixed (o and down; the head is outside the stack): the
+    stack multiplies as the layers do (group_linear_x8 where they do, float32 elsewhere). Compared over the
     first two layers: through all thirty, rounding x to 8 bits is chaotic (measured: a relative change of
     1e-7 in the embeddings moved the Python layers' last hidden state by 45 where it reaches 121), so an
     ulp of difference (silu's exp) grows as large; after two layers the stack was 5.7e-6 from the layers."""
-    loaded = load_model(dataclasses.replace(ModelConfig(dtype="float32"), decode_activations="int8"))
+    loaded = load_model(dataclasses.replace(ModelConfig(dtype="float32"), decode_activations=activations))
     model = loaded.model
+    first = model.layers[0]
+    assert tuple(lin.x8 for lin in (first.qkv, first.o, first.gate_up, first.down, model.lm_head)) == rounded
+    mask = sum(bit for bit, on in zip((1, 2, 4, 8), rounded) if on)  # the stack's: qkv, o, gate_up, down
     model.layers = model.layers[:2]
     model.shape = dataclasses.replace(model.shape, num_layers=2)
     model.stack = model._stack()
-    assert model.stack is not None and model.stack.x8 and len(model.stack.layers) == 2
+    assert model.stack is not None and model.stack.x8 == mask and len(model.stack.layers) == 2
     pair = Pair(loaded, "float")
     got, want = pair.decode([1, 2, 3])
     torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
