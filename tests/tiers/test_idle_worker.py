@@ -11,7 +11,7 @@ import pytest
 from streamchat.tiers.idle_worker import BACKGROUND_NICE, IdleWorker
 
 
-def wait_for(cond, timeout_s: float = 5.0) -> None:
+def wait_for(cond, timeout_s: float = 20.0) -> None:  # a bound for a saturated machine, not a timing
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, "timed out"
@@ -28,28 +28,21 @@ def test_a_job_runs_off_the_caller_and_delivers_once():
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
-def test_the_first_run_is_at_idle_priority_the_rescue_at_background_nice():
-    w = IdleWorker("t", rescue_after_s=0.05)
-    release = threading.Event()
-    seen = {}
+def test_the_first_run_is_at_idle_priority():
+    w = IdleWorker("t", rescue_after_s=30)
 
     def work():
         tid = threading.get_native_id()
-        seen[threading.current_thread().name] = (os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid))
-        if threading.current_thread().name == "t-idle":
-            release.wait(5)
-        return "read"
+        return threading.current_thread().name, os.sched_getscheduler(tid)
 
     got = []
     w.submit(work, got.append)
     wait_for(lambda: got)
-    release.set()
     w.close()
-    assert seen["t-idle"][0] == os.SCHED_IDLE
-    assert seen["t-rescue"] == (os.SCHED_OTHER, BACKGROUND_NICE)
+    assert got == [("t-idle", os.SCHED_IDLE)]
 
 
-def test_a_starved_job_is_run_again_and_only_the_first_result_counts():
+def test_a_starved_job_is_run_again_at_background_nice_and_only_the_first_result_counts():
     w = IdleWorker("t", rescue_after_s=0.1)
     release = threading.Event()
     calls = []
@@ -58,19 +51,18 @@ def test_a_starved_job_is_run_again_and_only_the_first_result_counts():
         name = threading.current_thread().name
         calls.append(name)
         if name == "t-idle":  # the idle run never gets the CPU until released
-            release.wait(5)
-        return name
+            release.wait(20)
+        return name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     got = []
     started = time.monotonic()
     w.submit(work, got.append)
     wait_for(lambda: got)
     took = time.monotonic() - started
-    assert got == ["t-rescue"] and 0.1 <= took < 3 and w.num_rescued == 1
-    release.set()  # the idle run ends now: its result is dropped
-    wait_for(lambda: calls.count("t-idle") == 1)
+    assert got == [("t-rescue", BACKGROUND_NICE)] and took >= 0.1 and w.num_rescued == 1
+    release.set()  # an idle run that had started ends now: its result is dropped
     w.close()
-    assert got == ["t-rescue"]
+    assert got == [("t-rescue", BACKGROUND_NICE)] and calls.count("t-rescue") == 1 and calls.count("t-idle") <= 1
 
 
 def test_jobs_queued_behind_a_starved_one_are_rescued_in_order():

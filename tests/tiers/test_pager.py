@@ -150,7 +150,9 @@ def test_a_file_read_off_the_loop_lands_only_when_taken(tmp_path):
             break
         time.sleep(0.01)
     assert woken and placer.take_loads() == 1
-    assert readers == ["streamchat-disk-reader-idle"]  # the file was read and checked off the calling thread
+    # the file was read and checked off the calling thread: by the idle reader, or (on a machine too busy
+    # to give it a moment for 0.5 s) by its rescuer as well
+    assert readers and set(readers) <= {"streamchat-disk-reader-idle", "streamchat-disk-reader-rescue"}
     assert a.resident and not a.loading and not placer.reading
     assert all(torch.equal(x, y) for x, y in zip(kv_of(placer, a.seq.block_ids), kv_a))
     placer.check()
