@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,6 @@ class _Job:
     started: bool = False  # taken by the idle thread
     rescued: bool = False  # taken by the rescuing thread
     finished: bool = False
-    result: object = field(default=None, repr=False)
 
 
 class IdleWorker:
@@ -83,21 +82,21 @@ class IdleWorker:
 
     def _rescue_loop(self) -> None:
         lower_priority(idle=False)
-        while (job := self._take(self._overdue, timed=True)) is not None:
+        while (job := self._take(self._overdue, rescue=True)) is not None:
             self._run(job, rescue=True)
 
     def _overdue(self, job: _Job) -> bool:
         # closing: nothing waits for the idle thread any more
         return not job.rescued and (self._stopping or self.clock() - job.queued_at >= self.rescue_after_s)
 
-    def _take(self, wanted: Callable[[_Job], bool], timed: bool = False) -> _Job | None:
+    def _take(self, wanted: Callable[[_Job], bool], rescue: bool = False) -> _Job | None:
         """The oldest unfinished job `wanted` says this thread should run (marked as taken), waiting
         for one; None once closing and nothing is left."""
         with self._cv:
             while True:
                 job = next((j for j in self._jobs if wanted(j)), None)
                 if job is not None:
-                    if timed:
+                    if rescue:
                         job.rescued = True
                     else:
                         job.started = True
@@ -105,7 +104,7 @@ class IdleWorker:
                 if self._stopping and not self._jobs:
                     return None
                 wait = None
-                if timed and self._jobs:  # until the oldest job still to rescue is due
+                if rescue and self._jobs:  # until the oldest job still to rescue is due
                     due = [j.queued_at + self.rescue_after_s for j in self._jobs if not j.rescued]
                     wait = max(0.0, min(due) - self.clock()) + 0.001 if due else None
                 self._cv.wait(wait)

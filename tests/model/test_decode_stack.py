@@ -125,8 +125,9 @@ def test_steps_it_does_not_take_run_the_python_layers(bundled_fp32, calls):
     assert calls == [] and mass.sum() > 0  # the Python layers filled the attention mass
 
 
-@pytest.mark.parametrize("activations,rounded", [("int8", (True,) * 5), ("mixed", (False, True, False, True, True))])
-def test_eight_bit_activations_take_the_stack_too(activations, rounded):
+@pytest.mark.parametrize("activations,rounded,mask", [("int8", (True,) * 5, 15),
+                                                      ("mixed", (False, True, False, True, True), 2 | 8)])
+def test_eight_bit_activations_take_the_stack_too(activations, rounded, mask):
     """--decode-activations int8 (every product) or mixed (o and down; the head is outside the stack): the
     stack multiplies as the layers do (group_linear_x8 where they do, float32 elsewhere). Compared over the
     first two layers: through all thirty, rounding x to 8 bits is chaotic (measured: a relative change of
@@ -136,7 +137,6 @@ def test_eight_bit_activations_take_the_stack_too(activations, rounded):
     model = loaded.model
     first = model.layers[0]
     assert tuple(lin.x8 for lin in (first.qkv, first.o, first.gate_up, first.down, model.lm_head)) == rounded
-    mask = sum(bit for bit, on in zip((1, 2, 4, 8), rounded) if on)  # the stack's: qkv, o, gate_up, down
     model.layers = model.layers[:2]
     model.shape = dataclasses.replace(model.shape, num_layers=2)
     model.stack = model._stack()
