@@ -39,6 +39,7 @@ always the sequence's own and a shared block is never written.
 from __future__ import annotations
 
 import hashlib
+import struct
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -86,7 +87,7 @@ def chain_hash(parent: int, token_ids: tuple[int, ...], extra_key: bytes) -> int
     h = hashlib.blake2b(digest_size=8)
     h.update(parent.to_bytes(8, "little"))
     h.update(extra_key)
-    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))  # each id as 4 little-endian bytes
     return int.from_bytes(h.digest(), "little")
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from streamchat.cache.manager import SeqCache, chain_hash
 from streamchat.tiers import kvfile
@@ -35,6 +35,7 @@ class PlanIn:
 
     state: SeqState
     ids: list[int | None]
+    hashes: list[int] = field(default_factory=list)  # the chain hash of each full block, when it can be shared
 
     @property
     def missing(self) -> list[int]:
@@ -142,15 +143,17 @@ class Pager:
         pool, bs = self.manager.pool, self.bs
         tokens = state.token_ids
         ids: list[int | None] = [None] * state.num_blocks(bs)
+        hashes: list[int] = []
         if state.pristine and self.manager.prefix_sharing:
             parent = 0
             for idx in range(len(tokens) // bs):
                 block_tokens = tuple(tokens[idx * bs:(idx + 1) * bs])
                 parent = chain_hash(parent, block_tokens, self.manager.extra_key)
+                hashes.append(parent)
                 ids[idx] = pool.lookup(parent, block_tokens)
                 if ids[idx] is not None:
                     pool.touch(ids[idx])
-        return PlanIn(state, ids)
+        return PlanIn(state, ids, hashes)
 
     def abort(self, plan: PlanIn) -> None:
         """Give back the references a plan took."""
@@ -178,12 +181,16 @@ class Pager:
         for r in rows:
             ids[r] = pool.allocate()
         copy_rows(rows, [ids[r] for r in rows])
+        for r in rows:  # the copied full blocks become findable, under the hashes plan_in computed
+            if r < len(plan.hashes):
+                pool.register(ids[r], plan.hashes[r], tuple(state.token_ids[r * self.bs:(r + 1) * self.bs]))
         seq = SeqCache(block_ids=ids, token_ids=list(state.token_ids), num_sink_blocks=state.num_sink_blocks,
                        pristine=state.pristine, evicted_tokens=state.evicted_tokens,
                        cached_tokens=state.cached_tokens, queried_tokens=state.queried_tokens,
                        eviction=state.eviction,
-                       block_scores=[float(x) for x in state.block_scores] or [0.0] * len(ids))
-        self.manager.commit(seq)  # registers the copied blocks for reuse, as prefill would
+                       block_scores=[float(x) for x in state.block_scores] or [0.0] * len(ids),
+                       block_hashes=list(plan.hashes))
+        self.manager.commit(seq)  # nothing left to register, unless the state could not be shared
         return seq
 
     # -- lifecycle and figures ----------------------------------------------------------

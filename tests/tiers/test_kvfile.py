@@ -24,7 +24,7 @@ def test_round_trip_is_bit_exact_for_every_kv_dtype(tmp_path, kv_dtype):
     header, meta = kvfile.read_header(path)
     assert header["format"] == "streamchat.kv" and header["version"] == 5
     assert header["layout"]["kv_dtype"] == kv_dtype and header["state"]["token_ids"] == snap.state.token_ids
-    assert meta["checksum"].startswith("crc32:") and len(meta["checksum"]) == len("crc32:") + 8
+    assert meta["checksum"].startswith("xxh3-128:") and len(meta["checksum"]) == len("xxh3-128:") + 32
     assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]
 
 
@@ -48,12 +48,14 @@ def _rewritten(path, checksum) -> None:
     write_raw(path, None, tensors, header_json=kvfile.read_header(path)[1]["streamchat"], checksum=checksum)
 
 
-def test_a_file_written_with_the_older_blake2b_checksum_is_still_read(written):
-    """Files saved before the CRC-32 change resume exactly; a flipped byte fails their checksum too."""
+@pytest.mark.parametrize("kind", ["crc32", "blake2b-128"])
+def test_a_file_written_with_an_older_checksum_is_still_read(written, kind):
+    """Files saved before the XXH3 change (CRC-32) and before that (blake2b) resume exactly;
+    a flipped byte fails their checksum too."""
     lay, path = written
     want = kvfile.read(path, lay, SID, vocab_size=VOCAB)
-    _rewritten(path, lambda h, t: kvfile.checksum(h, t, "blake2b-128"))
-    assert kvfile.read_header(path)[1]["checksum"].startswith("blake2b-128:")
+    _rewritten(path, lambda h, t: kvfile.checksum(h, t, kind))
+    assert kvfile.read_header(path)[1]["checksum"].startswith(kind + ":")
     back = kvfile.read(path, lay, SID, vocab_size=VOCAB)
     assert same_bytes(back.tensors, want.tensors) and back.state == want.state
     data = bytearray(path.read_bytes())
@@ -66,7 +68,7 @@ def test_a_checksum_of_an_unknown_kind_is_refused_naming_the_known(written):
     lay, path = written
     _rewritten(path, lambda h, t: "sha256:" + "0" * 64)
     reason, message = refused(path, lay)
-    assert reason == "checksum" and "sha256" in message and "crc32, blake2b-128" in message, message
+    assert reason == "checksum" and "sha256" in message and "xxh3-128, crc32, blake2b-128" in message, message
 
 
 @pytest.mark.parametrize("keep", [0, 5, 8, 200, -1, -4096])

@@ -67,6 +67,33 @@ def test_down_to_host_then_disk_and_back_bit_for_bit(tmp_path):
     pager.close()
 
 
+def test_blocks_copied_in_are_found_by_the_hashes_a_prefill_gives(tmp_path):
+    """A page-in that copies a pristine session's blocks registers each full one under the chain hash
+    its prefill registered, so a later session with the same prefix shares them."""
+    placer = make_placer(tmp_path)
+    manager, pool = placer.manager, placer.manager.pool
+    a = session(placer, "a", 40)
+    hashes = list(a.seq.block_hashes)
+    assert len(hashes) == 2
+    assert placer.page_out(a) and placer.page_out(session(placer, "b", 40, first=500))  # a on to disk
+    fillers = [session(placer, k, n, first=2000 + 100 * i) for i, (k, n) in enumerate(zip("fghi", (48, 48, 48, 32)))]
+    assert pool.num_free == 0  # every block taken: a's cached copies are gone
+    assert all(pool.lookup(h, tuple(range(i * 16, i * 16 + 16))) is None for i, h in enumerate(hashes))
+    for f in fillers:
+        manager.free(f.seq)
+        del placer.sessions[f.session_id]
+    placer.pager.flush()
+    placer.prefetch(a)
+    assert a.residency is DEVICE and a.seq.block_hashes == hashes
+    for i, h in enumerate(hashes):
+        assert pool.lookup(h, tuple(range(i * 16, i * 16 + 16))) == a.seq.block_ids[i]
+    c = manager.new_seq()  # a new session with the same tokens takes a's full blocks
+    assert manager.match_prefix(c, list(range(40))) == 32 and c.block_ids == a.seq.block_ids[:2]
+    manager.check([a.seq, c])
+    placer.check()
+    placer.pager.close()
+
+
 def test_a_page_in_without_room_rebuilds_from_tokens_and_frees_the_host_copy(tmp_path):
     """No device room for a host page-in (every block held by busy sessions): the session is rebuilt from
     its tokens instead, its host copy let go; nothing leaks."""
