@@ -12,7 +12,10 @@ session streams two greedy replies of --tokens tokens in turn:
     quiet     nothing else happens
     resumes   after its 20th token, the saved sessions are resumed one after
               another (`streamchat.session.resume`, each `restored_from: disk`)
-              and closed again
+              and closed again, by a client process of their own (started
+              before the quiet reply), as other users' clients would be;
+              `--same-loop` resumes from the streaming client's event loop
+              instead, as this benchmark did before 2026-12-06
 
 The disk files are read and checked on the engine core's I/O thread, never
 inside a step, so the gaps between the second reply's tokens while the
@@ -99,28 +102,71 @@ async def resume_all(url: str, saved: list[tuple[str, str]]) -> list[str]:
     return origins
 
 
+class Resumer:
+    """The resuming clients in a process of their own, as other users' would be: the streaming
+    client's event loop then takes its timestamps without waiting on their handshakes. Started
+    before the round's quiet reply; `run` sends the sessions and reads back (origins, t0, t1),
+    taken on the same monotonic clock as the stream's stamps."""
+
+    async def __aenter__(self):
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--resumer", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        if await self.proc.stdout.readline() != b"ready\n":  # started and imported before the quiet reply
+            raise RuntimeError("the resuming client process did not start")
+        return self
+
+    async def run(self, url: str, saved: list[tuple[str, str]]) -> tuple[list[str], float, float]:
+        self.proc.stdin.write(orjson.dumps({"url": url, "saved": saved}) + b"\n")
+        await self.proc.stdin.drain()
+        got = orjson.loads(await self.proc.stdout.readline())
+        return got["origins"], got["t0"], got["t1"]
+
+    async def __aexit__(self, *exc) -> None:
+        self.proc.stdin.close()
+        await self.proc.wait()
+
+
+def resumer_main() -> int:
+    """`--resumer`: says ready; then one JSON line in (url, saved), resume them all, one JSON line out."""
+    import websockets.asyncio.client  # noqa: F401 - imported now, not while the stream runs
+
+    sys.stdout.buffer.write(b"ready\n")
+    sys.stdout.flush()
+    job = orjson.loads(sys.stdin.buffer.readline())
+    t0 = time.perf_counter()
+    origins = asyncio.run(resume_all(job["url"], [tuple(x) for x in job["saved"]]))
+    t1 = time.perf_counter()
+    sys.stdout.buffer.write(orjson.dumps({"origins": origins, "t0": t0, "t1": t1}) + b"\n")
+    sys.stdout.flush()
+    return 0
+
+
 def gaps(stamps: list[float], start: float = float("-inf"), end: float = float("inf"), skip: int = 5) -> list[float]:
     return [b - a for a, b in list(zip(stamps, stamps[1:]))[skip:] if start <= b <= end]
 
 
-async def one_round(url: str, texts: list[str], tokens: int) -> dict:
+async def one_round(url: str, texts: list[str], tokens: int, same_loop: bool = False) -> dict:
     saved = await save_sessions(url, texts)
     deadline = time.monotonic() + 120
     while (h := healthz(url))["sessions"] or h["sessions_in_engine"]:
         if time.monotonic() > deadline:
             raise RuntimeError("the idle sessions did not leave memory in 120 s")
         await asyncio.sleep(0.2)
-    ws, _ = await connect(url)
-    quiet: list[float] = []
-    await stream(ws, tokens, quiet)
-    busy: list[float] = []
-    task = asyncio.create_task(stream(ws, tokens, busy))
-    while len(busy) < RESUME_AFTER and not task.done():
-        await asyncio.sleep(0.005)
-    t0 = time.perf_counter()
-    origins = await resume_all(url, saved)
-    t1 = time.perf_counter()
-    done = await task
+    async with Resumer() as resumer:
+        ws, _ = await connect(url)
+        quiet: list[float] = []
+        await stream(ws, tokens, quiet)
+        busy: list[float] = []
+        task = asyncio.create_task(stream(ws, tokens, busy))
+        while len(busy) < RESUME_AFTER and not task.done():
+            await asyncio.sleep(0.005)
+        if same_loop:
+            t0 = time.perf_counter()
+            origins = await resume_all(url, saved)
+            t1 = time.perf_counter()
+        else:
+            origins, t0, t1 = await resumer.run(url, saved)
+        done = await task
     await ws.close()
     during = gaps(busy, t0, t1, skip=0)
     if done["status"] not in ("completed", "incomplete") or not busy or busy[-1] < t1:
@@ -140,7 +186,8 @@ async def run(args) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp, StreamchatDaemon(Path(tmp), args) as d:
         for r in range(args.rounds):
-            got = await one_round(d.url, texts[r * args.sessions:(r + 1) * args.sessions], args.tokens)
+            got = await one_round(d.url, texts[r * args.sessions:(r + 1) * args.sessions], args.tokens,
+                                  args.same_loop)
             rows.append(got)
             s = summary(got["quiet"], got["during"])
             print(f"  round {r + 1}: quiet p50 {s['quiet_p50_ms']:.1f} ms, during {len(got['during'])} gaps "
@@ -157,7 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--daemon-arg", action="append", default=[], help="extra `streamchat serve` flag (repeatable)")
+    p.add_argument("--same-loop", action="store_true",
+                   help="resume from the streaming client's own event loop (before 2026-12-06: its handshakes "
+                        "then delay the stream's timestamps)")
+    p.add_argument("--resumer", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.resumer:
+        return resumer_main()
     args.daemon_arg = ["--session-idle-release-s", "1", "--checkpoint-idle-s", "0", *args.daemon_arg]
     common.passive_omp()
     rows = asyncio.run(run(args))
