@@ -68,3 +68,16 @@ def running(proc) -> bool:
         return proc.is_alive()
     except ValueError:  # "process object is closed"
         return False
+
+
+def disown(proc) -> None:
+    """Let this interpreter exit without reaping a killed core.
+
+    multiprocessing's exit handler joins every child it started. A core killed at a shutdown
+    deadline is gone at once, but the kernel may take seconds to free its memory on a busy host
+    (40 s was seen with both cores saturated), and the daemon's exit would wait for that. A
+    disowned process is reaped by whoever inherits it (init) instead.
+    """
+    children = getattr(multiprocessing.process, "_children", None)  # the started processes themselves
+    if children is not None:
+        children.discard(proc)

@@ -31,6 +31,7 @@ from streamchat.engine.api import EngineSnapshot
 log = logging.getLogger(__name__)
 
 SEND_WAIT_S = 1.0  # a core that takes no command for this long has died (its restart fails what was sent)
+KILLED_WAIT_S = 0.5  # how long a shutdown waits for a killed core to be reaped before leaving it to init
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,12 @@ class CoreSupervisor:
         await asyncio.to_thread(proc.join, timeout_s)
         if launch.running(proc):
             self._kill()
+            deadline = time.monotonic() + KILLED_WAIT_S
+            while launch.running(proc) and time.monotonic() < deadline:  # is_alive reaps it once it has ended
+                await asyncio.sleep(0.02)
+            if launch.running(proc):
+                log.warning("the killed engine core (pid %d) is still being torn down; not waiting for it", proc.pid)
+                launch.disown(proc)
             return False
         return True
 

@@ -92,3 +92,24 @@ def test_a_stream_closed_before_its_response_finished_leaves_no_detokenizer():
             await c.aclose()
 
     assert asyncio.run(go()) == (True, False, {})
+
+
+def test_a_disowned_core_is_not_joined_at_the_interpreters_exit():
+    """launch.disown: multiprocessing's exit handler joins every child it still knows; a killed core
+    whose memory the kernel is slow to free must not hold the daemon's exit, so it is forgotten."""
+    import multiprocessing
+    import signal
+
+    from streamchat.engine import launch
+
+    proc = multiprocessing.get_context("fork").Process(target=signal.pause, daemon=True)
+    proc.start()
+    try:
+        assert proc in multiprocessing.active_children()
+        launch.disown(proc)
+        assert proc not in multiprocessing.active_children()
+        assert launch.running(proc)  # forgotten by the exit handler, not ended
+    finally:
+        proc.kill()
+        proc.join(5)
+    assert not launch.running(proc)
