@@ -153,9 +153,9 @@ static inline void prefetch_rows(const Grouped *w, int64_t r, int64_t rows) {
 
 /* ---- the rows of x a decode step has: straight from the codes ----
  *
- * For one or two rows (a single session) each group is widened and multiplied where it lies, four 4-bit weight rows per pass over a group of x (x's
- * registers serve them all; 8-bit rows are long enough to go one at a time: four of the output head's
- * 576-byte rows read side by side ran at two thirds of the speed of one), and a row's product is
+ * For one or two rows (a single session) each group is widened and multiplied where it lies, one weight
+ * row a pass (`rows_per_pass`; four of the output head's 576-byte rows read side by side ran at two
+ * thirds of the speed of one), and a row's product is
  *
  *   sum_j W[r, j] x_j = sum_g scale_g * ((c_g - offset) . x_g)  +  sum_g zero_g * xsum_g
  *
@@ -183,9 +183,10 @@ static inline v8f group_fma(v8f acc, float s, const v8f w[4], const v8f x[4]) {
 /* The R weight rows' groups come widened on the fly from the codes (wide NULL) or from `wide`, the same
  * rows widened once into a buffer (R rows of k floats, lane order) for a batch's pairs of x rows. */
 static inline __attribute__((always_inline)) void rows_f32(const float *x, const int M, const Grouped *w,
-                                                           const int bits, const int64_t rows[DIRECT_ROWS],
-                                                           const float *wide, float res[DIRECT_ROWS][FEW_ROWS]) {
-    const int k = w->k, groups = k / 32, R = rows_per_pass(bits);
+                                                           const int bits, const int R,
+                                                           const int64_t rows[DIRECT_ROWS], const float *wide,
+                                                           float res[DIRECT_ROWS][FEW_ROWS]) {
+    const int k = w->k, groups = k / 32;
     v8f acc[DIRECT_ROWS][FEW_ROWS];
     for (int c = 0; c < R; c++)
         for (int i = 0; i < M; i++) acc[c][i] = (v8f){0};
@@ -207,24 +208,27 @@ static inline __attribute__((always_inline)) void rows_f32(const float *x, const
         for (int i = 0; i < M; i++) res[c][i] = hsum8(acc[c][i]);
 }
 
-/* res[c][i] = sum_g scale_g * ((c_g - offset) . x_i,g) for weight rows r .. r + rows_per_pass - 1
- * (clamped to n - 1) and the M rows of x (lane order); `wide` as rows_f32's. */
-static void f32_rows(const float *x, int M, const Grouped *w, int64_t r, const float *wide,
+/* res[c][i] = sum_g scale_g * ((c_g - offset) . x_i,g) for weight rows r .. r + R - 1 (clamped to n - 1;
+ * R from rows_per_pass) and the M rows of x (lane order); `wide` as rows_f32's. */
+static void f32_rows(const float *x, int M, const Grouped *w, int64_t r, int R, const float *wide,
                      float res[DIRECT_ROWS][FEW_ROWS]) {
     int64_t rows[DIRECT_ROWS];
     for (int c = 0; c < DIRECT_ROWS; c++) rows[c] = r + c < w->n ? r + c : w->n - 1;
-    if (w->bits == 4) {
-        if (M == 1) rows_f32(x, 1, w, 4, rows, wide, res);
-        else rows_f32(x, 2, w, 4, rows, wide, res);
+    if (w->bits == 4 && R == DIRECT_ROWS) {
+        if (M == 1) rows_f32(x, 1, w, 4, DIRECT_ROWS, rows, wide, res);
+        else rows_f32(x, 2, w, 4, DIRECT_ROWS, rows, wide, res);
+    } else if (w->bits == 4) {
+        if (M == 1) rows_f32(x, 1, w, 4, 1, rows, wide, res);
+        else rows_f32(x, 2, w, 4, 1, rows, wide, res);
     } else {
-        if (M == 1) rows_f32(x, 1, w, 8, rows, wide, res);
-        else rows_f32(x, 2, w, 8, rows, wide, res);
+        if (M == 1) rows_f32(x, 1, w, 8, 1, rows, wide, res);
+        else rows_f32(x, 2, w, 8, 1, rows, wide, res);
     }
 }
 
 /* Weight rows r .. r + R - 1 (clamped) widened into `wide` (R rows of k, lane order). */
-static void widen_rows(const Grouped *w, int64_t r, float *wide) {
-    const int R = rows_per_pass(w->bits), groups = w->k / 32;
+static void widen_rows(const Grouped *w, int64_t r, int R, float *wide) {
+    const int groups = w->k / 32;
     for (int c = 0; c < R; c++) {
         const int64_t row = r + c < w->n ? r + c : w->n - 1;
         for (int g = 0; g < groups; g++) {
@@ -251,15 +255,15 @@ static inline float row_terms(const float *s, const float *a, const float *z, co
 /* The products of weight rows r .. r + R - 1 (those below r1) and x rows i .. i + M - 1 (M <= FEW_ROWS;
  * lane order, or quantized in x8) into out, each sum plus its row terms (a, b: the x rows' multipliers,
  * NULL when they are all 0); `wide` as rows_f32's. */
-static void run_rows(const float *x, const X8 *x8, int i, int M, const Grouped *w, int64_t r, int64_t r1,
+static void run_rows(const float *x, const X8 *x8, int i, int M, const Grouped *w, int64_t r, int64_t r1, int R,
                      const float *wide, const float *a, const float *b, float *out) {
-    const int k = w->k, groups = k / 32, R = rows_per_pass(w->bits);
+    const int k = w->k, groups = k / 32;
     float res[DIRECT_ROWS][FEW_ROWS];
     if (x8) {
         const X8 xi = {x8->q + (int64_t)i * k, x8->dx + i * groups};
-        x8_rows(&xi, M, w, r, res);
+        x8_rows(&xi, M, w, r, R, res);
     } else {
-        f32_rows(x + (int64_t)i * k, M, w, r, wide, res);
+        f32_rows(x + (int64_t)i * k, M, w, r, R, wide, res);
     }
     for (int c = 0; c < R && r + c < r1; c++) {
         const float *s = w->scale + (r + c) * groups, *z = w->zero ? w->zero + (r + c) * groups : NULL;
@@ -276,12 +280,12 @@ static void run_rows(const float *x, const X8 *x8, int i, int M, const Grouped *
 static void direct_chunk(const float *x, const X8 *x8, int m, const Grouped *w, int64_t r0, int64_t r1,
                          float *wide, const float *a, const float *b, float *out) {
     /* wide: the caller's buffer when the rows are a float batch (m > FEW_ROWS), else NULL */
-    const int R = rows_per_pass(w->bits);
+    const int R = rows_per_pass(w->bits, m);
     for (int64_t r = r0; r < r1; r += R) {
         if (r + R < r1) prefetch_rows(w, r + R, r1 - r - R < R ? r1 - r - R : R);
-        if (wide) widen_rows(w, r, wide);
+        if (wide) widen_rows(w, r, R, wide);
         for (int i = 0; i < m; i += FEW_ROWS)
-            run_rows(x, x8, i, m - i < FEW_ROWS ? m - i : FEW_ROWS, w, r, r1, wide, a, b, out);
+            run_rows(x, x8, i, m - i < FEW_ROWS ? m - i : FEW_ROWS, w, r, r1, R, wide, a, b, out);
     }
 }
 

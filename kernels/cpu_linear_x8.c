@@ -68,14 +68,14 @@ void quantize_x8(const float *x, int k, int bits, int8_t *q, float *dx, float *a
 }
 
 /* 4-bit codes: a pair of groups per 256-bit register, an odd last group in 128 bits. */
-static inline __attribute__((always_inline)) void rows_q4(const X8 *x, const int M, const Grouped *w,
+static inline __attribute__((always_inline)) void rows_q4(const X8 *x, const int M, const Grouped *w, const int R,
                                                           const int64_t rows[DIRECT_ROWS],
                                                           float res[DIRECT_ROWS][FEW_ROWS]) {
     const int k = w->k, groups = k / 32, pairs = groups / 2;
     const uint8_t *q = w->q;
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 acc[DIRECT_ROWS][FEW_ROWS];
-    for (int c = 0; c < DIRECT_ROWS; c++)
+    for (int c = 0; c < R; c++)
         for (int i = 0; i < M; i++) acc[c][i] = _mm256_setzero_ps();
     for (int p = 0; p < pairs; p++) {
         __m256i xl[FEW_ROWS], xh[FEW_ROWS];
@@ -87,7 +87,7 @@ static inline __attribute__((always_inline)) void rows_q4(const X8 *x, const int
             const float *d = x->dx + i * groups + 2 * p;
             dxv[i] = _mm256_blend_ps(_mm256_broadcast_ss(d), _mm256_broadcast_ss(d + 1), 0xF0);
         }
-        for (int c = 0; c < DIRECT_ROWS; c++) {
+        for (int c = 0; c < R; c++) {
             const __m256i b = _mm256_loadu_si256((const __m256i *)(q + rows[c] * (k / 2) + p * 32));
             const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
             const float *s = w->scale + rows[c] * groups + 2 * p;
@@ -99,12 +99,12 @@ static inline __attribute__((always_inline)) void rows_q4(const X8 *x, const int
             }
         }
     }
-    for (int c = 0; c < DIRECT_ROWS; c++)
+    for (int c = 0; c < R; c++)
         for (int i = 0; i < M; i++) res[c][i] = hsum8((v8f)acc[c][i]);
     if (!(groups & 1)) return;
     const int g = groups - 1;
     const __m128i mask1 = _mm_set1_epi8(15), ones1 = _mm_set1_epi16(1);
-    for (int c = 0; c < DIRECT_ROWS; c++) {
+    for (int c = 0; c < R; c++) {
         const __m128i b = _mm_loadu_si128((const __m128i *)(q + rows[c] * (k / 2) + g * 16));
         const __m128i lo = _mm_and_si128(b, mask1), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask1);
         for (int i = 0; i < M; i++) {
@@ -140,7 +140,7 @@ static inline __attribute__((always_inline)) void rows_q8(const X8 *x, const int
     for (int i = 0; i < M; i++) res[0][i] = hsum8((v8f)acc[i]);
 }
 
-void x8_rows(const X8 *x, int M, const Grouped *w, int64_t r, float res[DIRECT_ROWS][FEW_ROWS]) {
+void x8_rows(const X8 *x, int M, const Grouped *w, int64_t r, int R, float res[DIRECT_ROWS][FEW_ROWS]) {
     if (w->bits == 8) {
         if (M == 1) rows_q8(x, 1, w, r, res);
         else rows_q8(x, 2, w, r, res);
@@ -148,8 +148,13 @@ void x8_rows(const X8 *x, int M, const Grouped *w, int64_t r, float res[DIRECT_R
     }
     int64_t rows[DIRECT_ROWS];
     for (int c = 0; c < DIRECT_ROWS; c++) rows[c] = r + c < w->n ? r + c : w->n - 1;
-    if (M == 1) rows_q4(x, 1, w, rows, res);
-    else rows_q4(x, 2, w, rows, res);
+    if (R == 1) {
+        if (M == 1) rows_q4(x, 1, w, 1, rows, res);
+        else rows_q4(x, 2, w, 1, rows, res);
+    } else {
+        if (M == 1) rows_q4(x, 1, w, DIRECT_ROWS, rows, res);
+        else rows_q4(x, 2, w, DIRECT_ROWS, rows, res);
+    }
 }
 #else
 /* Without AVX2 group_linear_x8 refuses every call; these are never reached. */
@@ -157,7 +162,7 @@ void quantize_x8(const float *x, int k, int bits, int8_t *q, float *dx, float *a
     (void)x, (void)k, (void)bits, (void)q, (void)dx, (void)a, (void)b;
 }
 
-void x8_rows(const X8 *x, int M, const Grouped *w, int64_t r, float res[DIRECT_ROWS][FEW_ROWS]) {
-    (void)x, (void)M, (void)w, (void)r, (void)res;
+void x8_rows(const X8 *x, int M, const Grouped *w, int64_t r, int R, float res[DIRECT_ROWS][FEW_ROWS]) {
+    (void)x, (void)M, (void)w, (void)r, (void)R, (void)res;
 }
 #endif
