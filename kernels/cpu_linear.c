@@ -27,7 +27,9 @@
  * gives c - offset exactly. The unpacks work within 128-bit lanes, so the floats come out in LANE
  * ORDER: register u holds elements 4u..4u+3 and 16+4u..16+4u+3. x is copied into that order once per
  * call (`to_lanes`) and every product pairs lane with lane; only group_dequantize puts the elements
- * back in place. */
+ * back in place. Where the build has AVX-512 a group is two 16-lane registers in order instead (see
+ * `Group`): the codes are zero-extended to 32 bits by one instruction and ORed into 2^23's bits, the
+ * same exact c - offset with fewer instructions. */
 #include "cpu_linear.h"
 
 #include <stdlib.h>
@@ -89,9 +91,60 @@ void skinny_linear(const float *x, const float *w, float *out, int m, int n, int
 
 /* ---- grouped weights ---- */
 
-/* Group g of a row as floats c - offset, in lane order (see the header). */
-static inline void widen_group(const void *q, int bits, int64_t row, int k, int g, v8f w[4]) {
-#if defined(__AVX2__)
+/* A group of 32 weights, or of x, as the products hold it. With AVX-512: two 16-lane registers, the
+ * elements in order (a group's codes zero- or sign-extended to 32 bits at once, one instruction each
+ * half); a step's products at one row ran 18% faster per group than with the 256-bit widening below
+ * (Zen 4, which splits each 512-bit operation in two: the gain is in the instructions saved). Without
+ * it: four 8-lane registers in lane order (see the header). */
+#if defined(__AVX512F__)
+#define GROUP_IN_ORDER 1
+typedef struct {
+    __m512 h[2];
+} Group;
+typedef __m512 Acc;
+static inline Group load_group(const float *p) { return (Group){{_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)}}; }
+static inline void store_group(float *p, Group w) {
+    _mm512_storeu_ps(p, w.h[0]);
+    _mm512_storeu_ps(p + 16, w.h[1]);
+}
+static inline Acc acc_zero(void) { return _mm512_setzero_ps(); }
+static inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
+#else
+#define GROUP_IN_ORDER 0
+typedef struct {
+    v8f u[4];
+} Group;
+typedef v8f Acc;
+static inline Group load_group(const float *p) {
+    Group w;
+    for (int u = 0; u < 4; u++) w.u[u] = ld8(p + 8 * u);
+    return w;
+}
+static inline void store_group(float *p, Group w) {
+    for (int u = 0; u < 4; u++) st8(p + 8 * u, w.u[u]);
+}
+static inline Acc acc_zero(void) { return (v8f){0}; }
+static inline float acc_sum(Acc a) { return hsum8(a); }
+#endif
+
+/* Group g of a row as floats c - offset, in the Group's order. */
+static inline Group widen_group(const void *q, int bits, int64_t row, int k, int g) {
+    Group w;
+#if defined(__AVX512F__)
+    if (bits == 4) {  /* low nibbles are elements 0..15, high nibbles 16..31; each lane ORed into 2^23 */
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i *)((const uint8_t *)q + row * (k / 2) + g * 16)));
+        const __m512i exponent = _mm512_set1_epi32(0x4B000000);
+        const __m512 bias = _mm512_set1_ps(8388608.0f + 8.0f);
+        const __m512i low = _mm512_ternarylogic_epi32(v, _mm512_set1_epi32(15), exponent, 0xEA);  /* (v&15)|e */
+        w.h[0] = _mm512_sub_ps(_mm512_castsi512_ps(low), bias);
+        w.h[1] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_srli_epi32(v, 4), exponent)), bias);
+    } else {
+        const int8_t *p = (const int8_t *)q + row * k + g * 32;
+        w.h[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+        w.h[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    }
+#elif defined(__AVX2__)
     __m256i b;  /* the group's 32 codes as unsigned bytes: [0..15 | 16..31] */
     float bias;
     if (bits == 4) {
@@ -108,10 +161,10 @@ static inline void widen_group(const void *q, int bits, int64_t row, int k, int 
     const __m256i zero = _mm256_setzero_si256(), exponent = _mm256_set1_epi16(0x4B00);  /* 2^23's high half */
     const __m256i h0 = _mm256_unpacklo_epi8(b, zero), h1 = _mm256_unpackhi_epi8(b, zero);
     const __m256 sub = _mm256_set1_ps(bias);
-    w[0] = (v8f)_mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(h0, exponent)), sub);
-    w[1] = (v8f)_mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(h0, exponent)), sub);
-    w[2] = (v8f)_mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(h1, exponent)), sub);
-    w[3] = (v8f)_mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(h1, exponent)), sub);
+    w.u[0] = (v8f)_mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(h0, exponent)), sub);
+    w.u[1] = (v8f)_mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(h0, exponent)), sub);
+    w.u[2] = (v8f)_mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(h1, exponent)), sub);
+    w.u[3] = (v8f)_mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(h1, exponent)), sub);
 #else
     float f[32];
     if (bits == 4) {
@@ -126,14 +179,19 @@ static inline void widen_group(const void *q, int bits, int64_t row, int k, int 
     }
     for (int u = 0; u < 4; u++)
         for (int j = 0; j < 4; j++) {
-            w[u][j] = f[4 * u + j];
-            w[u][4 + j] = f[16 + 4 * u + j];
+            w.u[u][j] = f[4 * u + j];
+            w.u[u][4 + j] = f[16 + 4 * u + j];
         }
 #endif
+    return w;
 }
 
-/* m rows of x (k floats each) into lane order, group by group. */
+/* m rows of x (k floats each) into the Groups' order (lane order, or a copy). */
 static void to_lanes(const float *x, float *lanes, int m, int k) {
+    if (GROUP_IN_ORDER) {
+        memcpy(lanes, x, sizeof(float) * (size_t)m * k);
+        return;
+    }
     for (int64_t g = 0; g < (int64_t)m * k / 32; g++)
         for (int u = 0; u < 4; u++) {
             memcpy(lanes + g * 32 + 8 * u, x + g * 32 + 4 * u, 4 * sizeof(float));
@@ -168,15 +226,18 @@ static inline void prefetch_rows(const Grouped *w, int64_t r, int64_t rows) {
  * every path calls it, with the fused multiply-adds spelled out where the target has them, so a row's
  * result is the same bits whether it is multiplied alone, beside one other row or in a batch (the
  * compiler is not left to contract two copies of the expression differently). */
-static inline v8f group_fma(v8f acc, float s, const v8f w[4], const v8f x[4]) {
-#if defined(__FMA__)
-    __m256 t = _mm256_mul_ps((__m256)w[0], (__m256)x[0]);
-    t = _mm256_fmadd_ps((__m256)w[1], (__m256)x[1], t);
-    t = _mm256_fmadd_ps((__m256)w[2], (__m256)x[2], t);
-    t = _mm256_fmadd_ps((__m256)w[3], (__m256)x[3], t);
+static inline Acc group_fma(Acc acc, float s, const Group *w, const Group *x) {
+#if defined(__AVX512F__)
+    const __m512 t = _mm512_fmadd_ps(w->h[1], x->h[1], _mm512_mul_ps(w->h[0], x->h[0]));
+    return _mm512_fmadd_ps(_mm512_set1_ps(s), t, acc);
+#elif defined(__FMA__)
+    __m256 t = _mm256_mul_ps((__m256)w->u[0], (__m256)x->u[0]);
+    t = _mm256_fmadd_ps((__m256)w->u[1], (__m256)x->u[1], t);
+    t = _mm256_fmadd_ps((__m256)w->u[2], (__m256)x->u[2], t);
+    t = _mm256_fmadd_ps((__m256)w->u[3], (__m256)x->u[3], t);
     return (v8f)_mm256_fmadd_ps(_mm256_set1_ps(s), t, (__m256)acc);
 #else
-    return acc + s * (((w[0] * x[0] + w[1] * x[1]) + w[2] * x[2]) + w[3] * x[3]);
+    return acc + s * (((w->u[0] * x->u[0] + w->u[1] * x->u[1]) + w->u[2] * x->u[2]) + w->u[3] * x->u[3]);
 #endif
 }
 
@@ -187,25 +248,20 @@ static inline __attribute__((always_inline)) void rows_f32(const float *x, const
                                                            const int64_t rows[DIRECT_ROWS], const float *wide,
                                                            float res[DIRECT_ROWS][FEW_ROWS]) {
     const int k = w->k, groups = k / 32;
-    v8f acc[DIRECT_ROWS][FEW_ROWS];
+    Acc acc[DIRECT_ROWS][FEW_ROWS];
     for (int c = 0; c < R; c++)
-        for (int i = 0; i < M; i++) acc[c][i] = (v8f){0};
+        for (int i = 0; i < M; i++) acc[c][i] = acc_zero();
     for (int g = 0; g < groups; g++) {
-        v8f xv[FEW_ROWS][4];
-        for (int i = 0; i < M; i++)
-            for (int u = 0; u < 4; u++) xv[i][u] = ld8(x + (int64_t)i * k + g * 32 + 8 * u);
+        Group xv[FEW_ROWS];
+        for (int i = 0; i < M; i++) xv[i] = load_group(x + (int64_t)i * k + g * 32);
         for (int c = 0; c < R; c++) {
-            v8f wv[4];
-            if (wide)
-                for (int u = 0; u < 4; u++) wv[u] = ld8(wide + (int64_t)c * k + g * 32 + 8 * u);
-            else
-                widen_group(w->q, bits, rows[c], k, g, wv);
+            const Group wv = wide ? load_group(wide + (int64_t)c * k + g * 32) : widen_group(w->q, bits, rows[c], k, g);
             const float s = w->scale[rows[c] * groups + g];
-            for (int i = 0; i < M; i++) acc[c][i] = group_fma(acc[c][i], s, wv, xv[i]);
+            for (int i = 0; i < M; i++) acc[c][i] = group_fma(acc[c][i], s, &wv, &xv[i]);
         }
     }
     for (int c = 0; c < R; c++)
-        for (int i = 0; i < M; i++) res[c][i] = hsum8(acc[c][i]);
+        for (int i = 0; i < M; i++) res[c][i] = acc_sum(acc[c][i]);
 }
 
 /* res[c][i] = sum_g scale_g * ((c_g - offset) . x_i,g) for weight rows r .. r + R - 1 (clamped to n - 1;
@@ -220,22 +276,22 @@ static void f32_rows(const float *x, int M, const Grouped *w, int64_t r, int R, 
     } else if (w->bits == 4) {
         if (M == 1) rows_f32(x, 1, w, 4, 1, rows, wide, res);
         else rows_f32(x, 2, w, 4, 1, rows, wide, res);
+    } else if (R == DIRECT_ROWS) {
+        if (M == 1) rows_f32(x, 1, w, 8, DIRECT_ROWS, rows, wide, res);
+        else rows_f32(x, 2, w, 8, DIRECT_ROWS, rows, wide, res);
     } else {
         if (M == 1) rows_f32(x, 1, w, 8, 1, rows, wide, res);
         else rows_f32(x, 2, w, 8, 1, rows, wide, res);
     }
 }
 
-/* Weight rows r .. r + R - 1 (clamped) widened into `wide` (R rows of k, lane order). */
+/* Weight rows r .. r + R - 1 (clamped) widened into `wide` (R rows of k, in the Groups' order). */
 static void widen_rows(const Grouped *w, int64_t r, int R, float *wide) {
     const int groups = w->k / 32;
     for (int c = 0; c < R; c++) {
         const int64_t row = r + c < w->n ? r + c : w->n - 1;
-        for (int g = 0; g < groups; g++) {
-            v8f wv[4];
-            widen_group(w->q, w->bits, row, w->k, g, wv);
-            for (int u = 0; u < 4; u++) st8(wide + (int64_t)c * w->k + g * 32 + 8 * u, wv[u]);
-        }
+        for (int g = 0; g < groups; g++)
+            store_group(wide + (int64_t)c * w->k + g * 32, widen_group(w->q, w->bits, row, w->k, g));
     }
 }
 
@@ -280,7 +336,7 @@ static void run_rows(const float *x, const X8 *x8, int i, int M, const Grouped *
 static void direct_chunk(const float *x, const X8 *x8, int m, const Grouped *w, int64_t r0, int64_t r1,
                          float *wide, const float *a, const float *b, float *out) {
     /* wide: the caller's buffer when the rows are a float batch (m > FEW_ROWS), else NULL */
-    const int R = rows_per_pass(w->bits, m);
+    const int R = rows_per_pass(w->bits, m, x8 != NULL);
     for (int64_t r = r0; r < r1; r += R) {
         if (r + R < r1) prefetch_rows(w, r + R, r1 - r - R < R ? r1 - r - R : R);
         if (wide) widen_rows(w, r, R, wide);
@@ -364,15 +420,22 @@ __attribute__((optimize("fp-contract=off"))) void group_dequantize(const void *q
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < n; r++)
         for (int g = 0; g < groups; g++) {
-            v8f w[4];
-            widen_group(q, bits, r, k, g, w);
+            const Group w = widen_group(q, bits, r, k, g);
             const float s = scale[(int64_t)r * groups + g], z = zero ? zero[(int64_t)r * groups + g] : 0.0f;
             float *o = out + (int64_t)r * k + g * 32;
+#if GROUP_IN_ORDER
+            for (int h = 0; h < 2; h++) {
+                __m512 t = _mm512_mul_ps(w.h[h], _mm512_set1_ps(s));
+                if (zero) t = _mm512_add_ps(t, _mm512_set1_ps(z));
+                _mm512_storeu_ps(o + 16 * h, t);
+            }
+#else
             for (int u = 0; u < 4; u++) {
-                v8f t = w[u] * s;
+                v8f t = w.u[u] * s;
                 if (zero) t = t + z;
                 memcpy(o + 4 * u, &t, 4 * sizeof(float));  /* lane order back to place */
                 memcpy(o + 16 + 4 * u, (const float *)&t + 4, 4 * sizeof(float));
             }
+#endif
         }
 }
