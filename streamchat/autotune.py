@@ -89,8 +89,10 @@ def resolve_kv_dtype(loaded, cache: CacheConfig, cache_dir: str | None = None) -
 
 def measure_kv_dtypes(loaded, cache: CacheConfig) -> dict[str, kv_auto.KvMeasured]:
     """Each storage the backend takes: perplexity over the first KV_TOKENS tokens of the shipped text, and
-    for float and those within the perplexity bound, the median decode step of LONGCHAT_SESSIONS sessions
-    of LONGCHAT_TOKENS cached tokens, the storages taking turns step by step."""
+    for float and those within the perplexity bound, the fastest decode step of LONGCHAT_SESSIONS sessions
+    of LONGCHAT_TOKENS cached tokens, the storages taking turns step by step. The fastest, not the median:
+    a decision is made once and cached, and a start that shares the machine (a test run beside it, a
+    build) had made medians of int8 +31% and +47% against float where a quiet start measured -4.7%."""
     token_ids = tokenize(loaded.tokenizer, read_text(None), KV_TOKENS)
     ppl, sizes = {}, {}
     for name in kv_auto.CANDIDATES:
@@ -107,7 +109,7 @@ def measure_kv_dtypes(loaded, cache: CacheConfig) -> dict[str, kv_auto.KvMeasure
     for _ in range(DECODE_STEPS + 2):
         for name, chat in chats.items():
             times[name].append(chat.step())
-    return {name: kv_auto.KvMeasured(ppl[name], 1e3 * statistics.median(times[name][2:]) if name in times else None,
+    return {name: kv_auto.KvMeasured(ppl[name], 1e3 * min(times[name][2:]) if name in times else None,
                                      sizes[name]) for name in ppl}
 
 

@@ -33,7 +33,7 @@ STEP_TOLERANCE = 0.05
 @dataclass(frozen=True)
 class KvMeasured:
     ppl: float
-    step_ms: float | None  # median decode step of the long-chat workload; None: not timed (perplexity past)
+    step_ms: float | None  # fastest decode step of the long-chat workload; None: not timed (perplexity past)
     bytes_per_token: int
 
 
