@@ -186,12 +186,8 @@ static inline Group widen_group(const void *q, int bits, int64_t row, int k, int
     return w;
 }
 
-/* m rows of x (k floats each) into the Groups' order (lane order, or a copy). */
+/* m rows of x (k floats each) into lane order, group by group (the 256-bit Groups' order). */
 static void to_lanes(const float *x, float *lanes, int m, int k) {
-    if (GROUP_IN_ORDER) {
-        memcpy(lanes, x, sizeof(float) * (size_t)m * k);
-        return;
-    }
     for (int64_t g = 0; g < (int64_t)m * k / 32; g++)
         for (int u = 0; u < 4; u++) {
             memcpy(lanes + g * 32 + 8 * u, x + g * 32 + 4 * u, 4 * sizeof(float));
@@ -372,7 +368,8 @@ static int group_direct(const float *x, const Grouped *w, float *out, int m, int
             b[i * groups + g] = hsum8(ld8(xg) + ld8(xg + 8) + ld8(xg + 16) + ld8(xg + 24));
         }
     }
-    if (!x8) to_lanes(x, lanes, m, k);
+    if (!x8 && !GROUP_IN_ORDER) to_lanes(x, lanes, m, k);
+    const float *xf = GROUP_IN_ORDER ? x : lanes;  /* x as the Groups hold it: in order, or in lanes */
     const X8 q8 = {codes, dx};
     const float *row_a = x8 && w->bits == 4 ? a : NULL;  /* the float path's offset is in its widening */
     const int chunks = (w->n + CHUNK_ROWS - 1) / CHUNK_ROWS, widen = !x8 && m > FEW_ROWS;
@@ -384,7 +381,7 @@ static int group_direct(const float *x, const Grouped *w, float *out, int m, int
 #pragma omp for schedule(guided)
         for (int ch = 0; ch < chunks; ch++) {
             const int64_t r0 = (int64_t)ch * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < w->n ? r0 + CHUNK_ROWS : w->n;
-            if (!failed) direct_chunk(lanes, x8 ? &q8 : NULL, m, w, r0, r1, wide, row_a, b, out);
+            if (!failed) direct_chunk(xf, x8 ? &q8 : NULL, m, w, r0, r1, wide, row_a, b, out);
         }
         free(wide);
     }
