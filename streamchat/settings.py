@@ -44,6 +44,8 @@ HELP = {
                          "model's own name; '*': accept any name)",
     "api_key": "require `Authorization: Bearer KEY` on the websocket handshake, the HTTP API and /metrics",
     "metrics_public": "serve /metrics without the API key (a bare --metrics-public is true)",
+    "ws_compression": "accept permessage-deflate on websockets when the client offers it (a bare "
+                      "--ws-compression is true; off by default: frames are small and deflating costs CPU)",
     "send_timeout_s": "a websocket or HTTP client that reads nothing for this long is disconnected, its "
                       "response cancelled (its session stays resumable)",
     "send_buffer_bytes": "bytes one connection may have waiting to be sent, in the daemon and (doubled by "

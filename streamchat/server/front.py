@@ -187,7 +187,8 @@ async def listen(app, cfg: ServerConfig, gate: Gate) -> asyncio.Server:
         ws=functools.partial(FrontWebSocket, gate=gate), ws_max_size=cfg.max_frame_bytes,
         ws_ping_interval=PING_INTERVAL_S, ws_ping_timeout=PING_INTERVAL_S, timeout_keep_alive=KEEP_ALIVE_S,
         # the daemon's own rules decide who may ask (no X-Forwarded-* trusted), and its own log says what
-        proxy_headers=False, server_header=False, log_config=None, access_log=False)
+        proxy_headers=False, server_header=False, log_config=None, access_log=False,
+        ws_per_message_deflate=cfg.ws_compression)
     config.load()
     state = ServerState()
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # one INFO line per handshake otherwise

@@ -296,3 +296,40 @@ def test_a_websocket_whose_event_waits_long_still_answers_keepalive_pings(monkey
             front.close_all(gate, 0.1)
 
     assert asyncio.run(go()) == ["answer to a slow event", "answer to the next"]
+
+
+@pytest.mark.parametrize("compression", [False, True])
+def test_websocket_compression_is_accepted_only_when_asked_for(compression):
+    """A client that offers permessage-deflate (as websockets and browsers do) gets it only with
+    --ws-compression; by default its frames go uncompressed, and both ways the text arrives whole."""
+    from streamchat.config import ServerConfig
+    from streamchat.server import front
+
+    async def app(scope, receive, send):
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        message = await receive()
+        await send({"type": "websocket.send", "text": message["text"] * 50})
+        await receive()
+
+    async def go():
+        gate = front.Gate()
+        server = await front.listen(app, ServerConfig(port=0, ws_compression=compression), gate)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with connect(f"ws://127.0.0.1:{port}/", compression="deflate") as ws:
+                await ws.send("delta ")
+                text = await asyncio.wait_for(ws.recv(), 10)
+                return ws.response.headers.get("Sec-WebSocket-Extensions"), [type(e).__name__ for e in
+                                                                             ws.protocol.extensions], text
+        finally:
+            server.close()
+            front.close_all(gate, 0.1)
+
+    header, extensions, text = asyncio.run(go())
+    assert text == "delta " * 50
+    if compression:
+        assert header is not None and header.startswith("permessage-deflate")
+        assert extensions == ["PerMessageDeflate"]
+    else:
+        assert header is None and extensions == []
