@@ -405,3 +405,22 @@ def test_bfloat16_decode_rows_multiply_the_unrounded_groups(bundled_fp32, bundle
     w[names[0]][0, 0] += 1  # a weight the blocks do not decode to: no groups, the GEMM for every row
     other = LinearBuilder("bf16", bundled_raw)
     assert other.layer(w, names).groups is None and other.mismatches == 1
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch without oneDNN: F.linear serves")
+def test_bfloat16_batches_multiply_the_weight_reordered_once_with_the_same_bits(monkeypatch):
+    """A bf16 DenseLinear on CPU keeps W in oneDNN's layout from the start (F.linear reorders it on every
+    call): every batch size, a prefill's included, takes that path and gives F.linear's bits exactly."""
+    from streamchat.model import qlinear
+
+    g = torch.Generator().manual_seed(3)
+    cases = [(DenseLinear(torch.randn(n, k, generator=g).to(torch.bfloat16)), n, k)
+             for n, k in ((1536, 576), (576, 1536), (4000, 576))]
+    xs = {m: torch.randn(m, 1536, generator=g).to(torch.bfloat16) for m in (1, 5, 16, 33, 300)}
+    expected = {(n, m): F.linear(xs[m][:, :k], lin.weight) for lin, n, k in cases for m in xs}
+    monkeypatch.setattr(qlinear.F, "linear", lambda *a, **kw: pytest.fail("F.linear ran: W reordered per call"))
+    for lin, n, k in cases:
+        assert lin.packed is not None and lin.few_rows == 0
+        for m, x in xs.items():
+            assert torch.equal(lin(x[:, :k]), expected[n, m]), (n, k, m)
+    assert qlinear.packed_bf16(torch.randn(8, 32)) is None  # float32 keeps its own paths
