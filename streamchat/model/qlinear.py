@@ -53,7 +53,8 @@ class Linear(Protocol):
 # A bf16 weight on CPU is also kept in oneDNN's blocked layout, reordered once at load: F.linear reorders
 # W on every call, which at a decode step's 5-32 rows cost as much as the product (the bundled model's
 # products at 16 rows: 48.2 -> 29.2 ms, the output head 9.0 -> 4.1 ms; 2-core EPYC, avx512_bf16). The
-# same oneDNN kernel runs on either layout, so the results are the same bits as F.linear's.
+# same oneDNN kernel runs on either layout, so the results are the same bits as F.linear's. Only the
+# reordered copy is kept (`DenseLinear.weight` rebuilds W from it when asked).
 PACK_ROWS_HINT = 16  # the batch size oneDNN picks the layout for (16 and 64 timed the same here)
 
 
@@ -78,7 +79,7 @@ class DenseLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  groups: "cpu.Groups | None" = None, x8: bool = False) -> None:
-        self.weight, self.bias, self.groups, self.x8 = weight, bias, groups, x8
+        self.bias, self.groups, self.x8 = bias, groups, x8
         # A decode step's few rows (up to `few_rows`) go to the C kernels. float32: the groups, or W itself
         # streamed. bfloat16: oneDNN's bf16 GEMM is fast on a batch but reads W slowly for a row or two, where
         # the groups (W unrounded, a quarter of the bytes) multiply in float32 and the result is rounded back.
@@ -89,6 +90,12 @@ class DenseLinear:
             elif weight.dtype == torch.bfloat16 and groups is not None:
                 self.few_rows = BF16_GROUP_ROWS
         self.packed = packed_bf16(weight)
+        self._dense = weight if self.packed is None else None  # held once: reordered, or as it is
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """W (out, in) as given; rebuilt from the reordered copy when that is what is kept."""
+        return self._dense if self._dense is not None else self.packed.to_dense()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.few_rows:
@@ -101,7 +108,8 @@ class DenseLinear:
 
     @property
     def nbytes(self) -> int:
-        return self.weight.nbytes + (self.groups.nbytes if self.groups is not None else 0)
+        dense = self._dense.nbytes if self._dense is not None else self.packed.numel() * self.packed.element_size()
+        return dense + (self.groups.nbytes if self.groups is not None else 0)
 
 
 class GroupLinear:

@@ -410,14 +410,18 @@ def test_bfloat16_decode_rows_multiply_the_unrounded_groups(bundled_fp32, bundle
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch without oneDNN: F.linear serves")
 def test_bfloat16_batches_multiply_the_weight_reordered_once_with_the_same_bits(monkeypatch):
     """A bf16 DenseLinear on CPU keeps W in oneDNN's layout from the start (F.linear reorders it on every
-    call): every batch size, a prefill's included, takes that path and gives F.linear's bits exactly."""
+    call): every batch size, a prefill's included, takes that path and gives F.linear's bits exactly, and
+    W itself is still there to be had."""
     from streamchat.model import qlinear
 
     g = torch.Generator().manual_seed(3)
-    cases = [(DenseLinear(torch.randn(n, k, generator=g).to(torch.bfloat16)), n, k)
-             for n, k in ((1536, 576), (576, 1536), (4000, 576))]
+    weights = {(n, k): torch.randn(n, k, generator=g).to(torch.bfloat16) for n, k in ((1536, 576), (576, 1536),
+                                                                                       (4000, 576))}
+    cases = [(DenseLinear(w.clone()), n, k) for (n, k), w in weights.items()]
+    for lin, n, k in cases:
+        assert torch.equal(lin.weight, weights[n, k]) and lin.nbytes == weights[n, k].nbytes
     xs = {m: torch.randn(m, 1536, generator=g).to(torch.bfloat16) for m in (1, 5, 16, 33, 300)}
-    expected = {(n, m): F.linear(xs[m][:, :k], lin.weight) for lin, n, k in cases for m in xs}
+    expected = {(n, m): F.linear(xs[m][:, :k], weights[n, k]) for _, n, k in cases for m in xs}
     monkeypatch.setattr(qlinear.F, "linear", lambda *a, **kw: pytest.fail("F.linear ran: W reordered per call"))
     for lin, n, k in cases:
         assert lin.packed is not None and lin.few_rows == 0
