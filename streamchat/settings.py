@@ -24,7 +24,7 @@ ALIASES = {("model", "path"): "model", ("store", "url"): "database_url"}
 HELP = {
     "model": "model folder (Hugging Face, safetensors) or .gguf file; default: bundled SmolLM2-135M-Instruct",
     "dtype": "model dtype: auto (bf16 where the CPU/GPU has it), float32, bfloat16, float16",
-    "weights": "weight format: bf16 (dense in --dtype; on CPU a GGUF's own blocks serve a decode step of up to 32 rows in float32, 4 in bfloat16), "
+    "weights": "weight format: bf16 (dense in --dtype; on CPU a GGUF's own blocks serve a decode step of up to 32 rows in float32, 3 in bfloat16), "
                "int8 (per channel), int4 (groups of 32; a Q4_1 GGUF's own blocks), auto (the fastest within 1%% perplexity of dense, measured once and cached); "
                "int8/int4 run on CPU only",
     "kv_dtype": "KV pool storage: float (the model's dtype), int8 or fp8 (a float32 scale per token per KV head), "

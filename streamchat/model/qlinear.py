@@ -41,9 +41,11 @@ COMPUTE_DTYPE = torch.bfloat16
 
 
 # Decode rows up to here multiply a bfloat16 model's GGUF groups in float32 (DenseLinear); more go to the
-# bf16 GEMM. The crossover, measured with LLM.chat on a 2-core EPYC with avx512_bf16: 4 rows 99.1 tok/s
-# on the groups against 100.0 on the GEMM (1 row 41.0 against 21.1; 8 rows 145.7 against 187.1).
-BF16_GROUP_ROWS = 4
+# bf16 GEMM (W reordered once: `packed_bf16`). The crossover, python bench/step.py --sessions N --cached
+# 200 --kv-dtype int8 on a 2-core EPYC with avx512_bf16, each N alternating: 3 rows 19.8, 22.4 ms a step on
+# the groups against 33.8, 26.4 on the GEMM; 4 rows 28.9, 37.8 against 26.2, 25.1 (1 row 8.1-9.0 against
+# 24.1-33.2). Before the reordering the GEMM lost at 4 rows too (LLM.chat: 99.1 against 100.0 tok/s).
+BF16_GROUP_ROWS = 3
 
 
 class Linear(Protocol):
