@@ -154,14 +154,17 @@ def gather(caches, block_ids: list[int]) -> dict[str, torch.Tensor]:
 
 
 def scatter(tensors: dict[str, torch.Tensor], rows: list[int], caches, block_ids: list[int]) -> None:
-    """Write rows `rows` of snapshot tensors into pool blocks `block_ids` (same length)."""
+    """Write rows `rows` of snapshot tensors into pool blocks `block_ids` (same length). Runs on the engine
+    core's step thread: rows that follow each other (a page-in's usual case) are read where they lie."""
+    run = rows == list(range(rows[0], rows[0] + len(rows))) if rows else False  # most page-ins: a view, no copy
     for layer, kv in enumerate(caches):
         dev = kv[0].device
         dst = torch.tensor(block_ids, dtype=torch.long, device=dev)
-        src = torch.tensor(rows, dtype=torch.long)
+        src = None if run else torch.tensor(rows, dtype=torch.long)
         for name, t in zip(kv._fields, kv):
             if t is not None:
-                rows_of = tensors[f"{name}.{layer}"].index_select(0, src)
+                whole = tensors[f"{name}.{layer}"]
+                rows_of = whole.narrow(0, rows[0], len(rows)) if run else whole.index_select(0, src)
                 byte_view(t).index_copy_(0, dst, byte_view(rows_of).to(dev))
 
 

@@ -167,3 +167,24 @@ def test_write_is_atomic_and_fsynced(written, monkeypatch):
     assert torch.equal(kvfile.read(path, lay, "sess_" + "ab" * 16, vocab_size=VOCAB).tensors["key.0"].float(),
                        snapshot(lay, seed=1).tensors["key.0"].float())
     assert json.loads(kvfile.read_header(path)[1]["streamchat"])["state"]["token_ids"][0] == 1
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4], [2, 3, 4], [0, 2, 3], [4, 1], []])
+def test_scatter_writes_each_asked_row_into_its_block_and_nothing_else(rows):
+    """Rows that follow each other (read in place) and rows that do not (gathered) land alike."""
+    from streamchat.model.attention import LayerKV
+
+    g = torch.Generator().manual_seed(len(rows))
+    tensors = {f"{n}.{layer}": torch.randint(-127, 128, (5, 4, 2, 8), dtype=torch.int8, generator=g)
+               for layer in range(2) for n in ("key", "value")}
+    caches = [LayerKV(torch.zeros(12, 4, 2, 8, dtype=torch.int8), torch.zeros(12, 4, 2, 8, dtype=torch.int8))
+              for _ in range(2)]
+    blocks = [11, 3, 7, 5, 9][:len(rows)]
+    kvfile.scatter(tensors, rows, caches, blocks)
+    for layer, kv in enumerate(caches):
+        for name in ("key", "value"):
+            pool = getattr(kv, name)
+            for r, b in zip(rows, blocks):
+                assert torch.equal(pool[b], tensors[f"{name}.{layer}"][r])
+            untouched = [b for b in range(12) if b not in blocks]
+            assert not pool[untouched].any()
