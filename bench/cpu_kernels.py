@@ -8,7 +8,8 @@ Attention: `--sessions` sequences of `--context` tokens in the bundled model's
 shape (9 query heads, 3 KV heads, head_dim 64, blocks of 16), one layer, the
 blocks scattered at random over a pool of `--pool-blocks` blocks (as a busy
 pool holds them), and once more with every sequence reading the same 8 blocks
-(all in cache: the arithmetic alone). Products: `Groups.matmul` at 1 and 16
+(all in cache: the arithmetic alone); float32 pools, or int8 ones with their
+scales with `--int8`. Products: `Groups.matmul` at 1 and 16
 rows over the bundled model's matrix shapes (q, k, v, o, gate, up, down, and
 the 49,152-row output head) with random 4-bit codes.
 
@@ -91,8 +92,15 @@ def attention(args, libs, names) -> None:
     n_partial = cpu.scratch_sizes(args.sessions, heads, kv_heads, head_dim, blocks, bs)[0]
     partial = torch.empty(n_partial)
     pool_blocks = max(args.pool_blocks, args.sessions * blocks)
-    kc = torch.randn(pool_blocks, bs, kv_heads, head_dim, generator=g)
-    vc = torch.randn(pool_blocks, bs, kv_heads, head_dim, generator=g)
+    if args.int8:  # codes and a scale per row, as --kv-dtype int8 stores them
+        kc = torch.randint(-127, 128, (pool_blocks, bs, kv_heads, head_dim), dtype=torch.int8, generator=g)
+        vc = torch.randint(-127, 128, (pool_blocks, bs, kv_heads, head_dim), dtype=torch.int8, generator=g)
+        scales = {"k_scale": torch.rand(pool_blocks, bs, kv_heads, generator=g) * 0.01,
+                  "v_scale": torch.rand(pool_blocks, bs, kv_heads, generator=g) * 0.01}
+    else:
+        kc = torch.randn(pool_blocks, bs, kv_heads, head_dim, generator=g)
+        vc = torch.randn(pool_blocks, bs, kv_heads, head_dim, generator=g)
+        scales = {}
     cases = {
         "attention, blocks scattered": torch.randperm(pool_blocks, generator=g)[:args.sessions * blocks],
         "attention, 8 blocks in cache": torch.arange(args.sessions * blocks) % 8,
@@ -102,10 +110,11 @@ def attention(args, libs, names) -> None:
         outs = [None] * len(libs)
 
         def call(i):
-            outs[i] = cpu.paged_decode(q, kc, vc, table, lens, cos, sin, head_dim ** -0.5, partial=partial)
+            outs[i] = cpu.paged_decode(q, kc, vc, table, lens, cos, sin, head_dim ** -0.5, partial=partial,
+                                       **scales)
 
         times = timed(libs, args.reps, call)
-        report(f"{label} ({args.sessions}x{args.context})", names, times, diffs(outs))
+        report(f"{label} ({args.sessions}x{args.context}{', int8' if args.int8 else ''})", names, times, diffs(outs))
         record("attention_scattered_ms" if "scattered" in label else "attention_cached_ms", names,
                [p25(ts) if o is not None else None for ts, o in zip(times, outs)])
 
@@ -142,6 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=2060)
     p.add_argument("--pool-blocks", type=int, default=40000, help="blocks in the pool the sessions are scattered over")
     p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--int8", action="store_true", help="attention over int8 pools with their scales (--kv-dtype int8)")
     p.add_argument("--cache", default="/tmp/streamchat-bench-kernels", help="where each version is built")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -30,7 +30,8 @@
  * A quantized row's codes are widened into float32 as they are read
  * (`load_codes`) and its scale applied once: to the key's score, and to the
  * value's softmax weight. The same passes, prefetches (the next block's
- * scales too) and mass as a float pool's; int8 reads a quarter of the bytes.
+ * scales too) and mass as a float pool's; int8 reads a quarter of the bytes. With AVX-512 an int8 pool
+ * of head_dim 64 takes passes of its own (`keys_i8_d64`, `values_i8_d64`), widened in registers.
  *
  * `partial` holds B * ceil(max_blocks / chunk) items of
  * H * (head_dim + 2) floats; `stats` (only with block_mass) B * num_kv_heads
@@ -57,6 +58,123 @@ typedef struct {
     float scale;
     float *partial, *stats;
 } Args;
+
+#if defined(__AVX512F__)
+/* ---- int8 pools with head_dim 64 (the bundled model's) under AVX-512: each row of codes widened into four
+ * 16-float registers and used from there, four tokens at a time. The generic passes widen a row into a
+ * scratch array and read it back once per query head, reduce each score with a horizontal sum of its own,
+ * and load, add to and store a head's output for every token (their stores were the value pass's limit).
+ * Here four tokens' scores of a query head are reduced together (three shuffles and two adds for four
+ * sums) and four tokens' values go into an output held in a register between one load and one store.
+ * One layer of 16 sessions x 2,060 tokens, `python bench/cpu_kernels.py --int8 --against OLD.c` on the
+ * 2-core EPYC: 1.89 -> 0.98 ms with the blocks scattered over the pool, 1.71 -> 0.82 ms in cache. The
+ * sums are taken in another order than the generic passes' (outputs within 5.2e-8 of theirs there), and
+ * in the same order in every batch. */
+
+static inline __m512 widen16(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+
+/* The four lane sums of a, b, c, d, in lanes 0, 4, 8 and 12. */
+static inline __m512 sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+    return _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+
+/* Scores of one block's `valid` tokens for every query head: s[hq * RUN_TOKENS + t] (s offset to the block). */
+static void keys_i8_d64(const Args *a, const float *qr, int64_t base, int valid, const char *ahead, int64_t span,
+                        float *s) {
+    const int kvh = a->kv_heads, g_n = a->heads / kvh;
+    int t = 0;
+    for (; t + 4 <= valid; t += 4) {
+        if (ahead) prefetch_span(ahead + (int64_t)t * span, 4 * span);
+        for (int h = 0; h < kvh; h++) {
+            __m512 k[4][4];
+            float sc[4];
+            for (int u = 0; u < 4; u++) {
+                const int64_t row = base + (int64_t)(t + u) * kvh + h;
+                for (int j = 0; j < 4; j++) k[u][j] = widen16((const int8_t *)a->kc + row * 64 + 16 * j);
+                sc[u] = a->scale * a->ks[row];
+            }
+            for (int g = 0; g < g_n; g++) {
+                const float *q = qr + (h * g_n + g) * 64;
+                const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
+                const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
+                __m512 acc[4];
+                for (int u = 0; u < 4; u++)
+                    acc[u] = _mm512_fmadd_ps(q3, k[u][3], _mm512_fmadd_ps(q2, k[u][2], _mm512_fmadd_ps(
+                        q1, k[u][1], _mm512_mul_ps(q0, k[u][0]))));
+                float lanes[16];
+                _mm512_storeu_ps(lanes, sums4(acc[0], acc[1], acc[2], acc[3]));
+                float *out = s + (h * g_n + g) * RUN_TOKENS + t;
+                for (int u = 0; u < 4; u++) out[u] = lanes[4 * u] * sc[u];
+            }
+        }
+    }
+    for (; t < valid; t++) {
+        if (ahead) prefetch_span(ahead + (int64_t)t * span, span);
+        for (int h = 0; h < kvh; h++) {
+            const int64_t row = base + (int64_t)t * kvh + h;
+            const int8_t *kp = (const int8_t *)a->kc + row * 64;
+            const __m512 k0 = widen16(kp), k1 = widen16(kp + 16), k2 = widen16(kp + 32), k3 = widen16(kp + 48);
+            for (int g = 0; g < g_n; g++) {
+                const float *q = qr + (h * g_n + g) * 64;
+                const __m512 acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), k3, _mm512_fmadd_ps(
+                    _mm512_loadu_ps(q + 32), k2, _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), k1,
+                                                                 _mm512_mul_ps(_mm512_loadu_ps(q), k0))));
+                float lanes[16];
+                _mm512_storeu_ps(lanes, sums4(acc, acc, acc, acc));
+                s[(h * g_n + g) * RUN_TOKENS + t] = lanes[0] * a->scale * a->ks[row];
+            }
+        }
+    }
+}
+
+/* Every query head's output (part rows, after their max and sum) += its softmax weights (s, offset to the
+ * block) times one block's `valid` value rows: four tokens a pass, then the block's last one to three. */
+static inline __attribute__((always_inline)) void values_i8_d64_pass(const Args *a, int64_t base, int t,
+                                                                     const int m, const float *s, float *part) {
+    const int kvh = a->kv_heads, g_n = a->heads / kvh;
+    for (int h = 0; h < kvh; h++) {
+        __m512 v[4][4];
+        float vs[4];
+        for (int u = 0; u < m; u++) {
+            const int64_t row = base + (int64_t)(t + u) * kvh + h;
+            for (int j = 0; j < 4; j++) v[u][j] = widen16((const int8_t *)a->vc + row * 64 + 16 * j);
+            vs[u] = a->vs[row];
+        }
+        for (int g = 0; g < g_n; g++) {
+            const int hq = h * g_n + g;
+            const float *p = s + hq * RUN_TOKENS + t;
+            __m512 w[4];
+            for (int u = 0; u < m; u++) w[u] = _mm512_set1_ps(p[u] * vs[u]);
+            float *o = part + hq * (64 + 2) + 2;
+            for (int j = 0; j < 4; j++) {
+                __m512 acc = _mm512_loadu_ps(o + 16 * j);
+                for (int u = 0; u < m; u++) acc = _mm512_fmadd_ps(w[u], v[u][j], acc);
+                _mm512_storeu_ps(o + 16 * j, acc);
+            }
+        }
+    }
+}
+
+static void values_i8_d64(const Args *a, int64_t base, int valid, const char *ahead, int64_t span, const float *s,
+                          float *part) {
+    int t = 0;
+    for (; t + 4 <= valid; t += 4) {
+        if (ahead) prefetch_span(ahead + (int64_t)t * span, 4 * span);
+        values_i8_d64_pass(a, base, t, 4, s, part);
+    }
+    for (; t < valid; t++) {
+        if (ahead) prefetch_span(ahead + (int64_t)t * span, span);
+        values_i8_d64_pass(a, base, t, 1, s, part);
+    }
+}
+#define I8_D64(a) ((a)->dtype == 3 && (a)->d == 64)
+#else
+#define I8_D64(a) 0
+#endif
 
 /* One run of blocks [i0, i1) of sequence b (at most RUN_TOKENS keys), every query head: the run's
  * max, its sum of exponentials and its unnormalised output, in `part` (heads x (d + 2) floats).
@@ -91,6 +209,13 @@ static void run_blocks(const Args *a, int b, int i0, int i1, float *part) {
         const int64_t base = (int64_t)table[i] * bs * kvh;
         const char *ahead = i + 1 < i1 ? row_addr(a->kc, a->dtype, (int64_t)table[i + 1] * bs * kvh, d) : NULL;
         if (ahead && a->ks) prefetch_span((const char *)(a->ks + (int64_t)table[i + 1] * bs * kvh), bs * kvh * 4);
+#if defined(__AVX512F__)
+        if (I8_D64(a)) {
+            keys_i8_d64(a, qr, base, valid, ahead, span, s + n);
+            n += valid;
+            continue;
+        }
+#endif
         for (int t = 0; t < valid; t++) {
             if (ahead) prefetch_span(ahead + (int64_t)t * span, span);
             for (int h = 0; h < kvh; h++) {
@@ -127,6 +252,13 @@ static void run_blocks(const Args *a, int b, int i0, int i1, float *part) {
         const int64_t base = (int64_t)table[i] * bs * kvh;
         const char *ahead = i + 1 < i1 ? row_addr(a->vc, a->dtype, (int64_t)table[i + 1] * bs * kvh, d) : NULL;
         if (ahead && a->vs) prefetch_span((const char *)(a->vs + (int64_t)table[i + 1] * bs * kvh), bs * kvh * 4);
+#if defined(__AVX512F__)
+        if (I8_D64(a)) {
+            values_i8_d64(a, base, valid, ahead, span, s + n, part);
+            n += valid;
+            continue;
+        }
+#endif
         int t = 0;
         for (; t + 2 <= valid; t += 2) {
             if (ahead) prefetch_span(ahead + (int64_t)t * span, 2 * span);
