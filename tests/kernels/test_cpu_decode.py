@@ -175,3 +175,39 @@ def test_attention_mass_with_fewer_rows_than_sequences_is_refused():
     cos, sin = torch.ones(64, d), torch.zeros(64, d)
     with pytest.raises(ValueError, match="block_mass"):
         cpu.paged_decode(torch.randn(3, heads, d), kc, vc, tables, lens, cos, sin, 0.1, block_mass=torch.zeros(2, 2))
+
+
+def prefill_step(backend, pool: Pool, query_lens: list[int], heads: Heads):
+    """A prefill-only StepPlan over the pool: the last query_lens[b] tokens of sequence b are its chunk."""
+    from streamchat.model.attention import AttentionMetadata, PrefillGroup
+
+    key_lens = pool.seq_lens.tolist()
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(k - n, k) for n, k in zip(query_lens, key_lens)])
+    meta = AttentionMetadata(torch.zeros(len(positions), dtype=torch.long), pool.block_size, None,
+                             PrefillGroup(cu, pool.tables, pool.seq_lens, list(query_lens), key_lens))
+    cos, sin = rope(int(pool.tables.shape[1]) * pool.block_size, heads.head_dim)
+    return StepPlan(meta, *backend.plan(meta, positions, cos, sin, torch.float32, heads)), cos, sin, cu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=str)
+def test_short_prefill_chunks_go_to_the_kernel_row_by_row(dtype, monkeypatch):
+    """Chunks of up to SHORT_PREFILL_TOKENS (a question against a long history, a whole short prompt) are
+    attended by the decode kernel, each query row up to its own position, and give the reference's
+    output; a longer chunk in the step sends the whole step to the reference."""
+    from streamchat.model import attention
+
+    heads = Heads(9, 3, 64)
+    pool = Pool([40, 300, 20], num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    kv = LayerKV(pool.key, pool.value, pool.k_scale, pool.v_scale)
+    q = torch.randn(5 + 30 + 20, 9, 64, generator=torch.Generator().manual_seed(4))
+    plan, cos, sin, cu = prefill_step(CpuBackend(), pool, [5, 30, 20], heads)
+    key, value = pool.clean(torch.float32)
+    expect = reference.paged_prefill_attention(q, key, value, pool.tables, pool.seq_lens, cu, cos, sin, 0.125)
+    with monkeypatch.context() as m:
+        m.setattr(reference, "prefill", lambda *a, **k: pytest.fail("the reference ran"))
+        assert_close(CpuBackend().prefill(q, kv, plan, 0.125), expect)
+    long = attention.SHORT_PREFILL_TOKENS + 1
+    pool = Pool([40, 300], num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    plan, *_ = prefill_step(CpuBackend(), pool, [5, long], heads)
+    assert plan.write[3] is None  # the reference's step
