@@ -82,52 +82,47 @@ static inline __m512 sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
 }
 
-/* Scores of one block's `valid` tokens for every query head: s[hq * RUN_TOKENS + t] (s offset to the block). */
+/* Scores of tokens t .. t + m - 1 of one block (m: 4, or 1 for the block's last one to three) for every
+ * query head: s[hq * RUN_TOKENS + t] (s offset to the block). */
+static inline __attribute__((always_inline)) void keys_i8_d64_pass(const Args *a, const float *qr, int64_t base,
+                                                                   int t, const int m, float *s) {
+    const int kvh = a->kv_heads, g_n = a->heads / kvh;
+    for (int h = 0; h < kvh; h++) {
+        __m512 k[4][4];
+        float sc[4];
+        for (int u = 0; u < m; u++) {
+            const int64_t row = base + (int64_t)(t + u) * kvh + h;
+            for (int j = 0; j < 4; j++) k[u][j] = widen16((const int8_t *)a->kc + row * 64 + 16 * j);
+            sc[u] = a->scale * a->ks[row];
+        }
+        for (int g = 0; g < g_n; g++) {
+            const float *q = qr + (h * g_n + g) * 64;
+            const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
+            const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
+            __m512 acc[4];
+            for (int u = 0; u < m; u++)
+                acc[u] = _mm512_fmadd_ps(q3, k[u][3], _mm512_fmadd_ps(q2, k[u][2], _mm512_fmadd_ps(
+                    q1, k[u][1], _mm512_mul_ps(q0, k[u][0]))));
+            for (int u = m; u < 4; u++) acc[u] = acc[0];  /* lanes nobody reads */
+            float lanes[16];
+            _mm512_storeu_ps(lanes, sums4(acc[0], acc[1], acc[2], acc[3]));
+            float *out = s + (h * g_n + g) * RUN_TOKENS + t;
+            for (int u = 0; u < m; u++) out[u] = lanes[4 * u] * sc[u];
+        }
+    }
+}
+
+/* Scores of one block's `valid` tokens for every query head. */
 static void keys_i8_d64(const Args *a, const float *qr, int64_t base, int valid, const char *ahead, int64_t span,
                         float *s) {
-    const int kvh = a->kv_heads, g_n = a->heads / kvh;
     int t = 0;
     for (; t + 4 <= valid; t += 4) {
         if (ahead) prefetch_span(ahead + (int64_t)t * span, 4 * span);
-        for (int h = 0; h < kvh; h++) {
-            __m512 k[4][4];
-            float sc[4];
-            for (int u = 0; u < 4; u++) {
-                const int64_t row = base + (int64_t)(t + u) * kvh + h;
-                for (int j = 0; j < 4; j++) k[u][j] = widen16((const int8_t *)a->kc + row * 64 + 16 * j);
-                sc[u] = a->scale * a->ks[row];
-            }
-            for (int g = 0; g < g_n; g++) {
-                const float *q = qr + (h * g_n + g) * 64;
-                const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
-                const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
-                __m512 acc[4];
-                for (int u = 0; u < 4; u++)
-                    acc[u] = _mm512_fmadd_ps(q3, k[u][3], _mm512_fmadd_ps(q2, k[u][2], _mm512_fmadd_ps(
-                        q1, k[u][1], _mm512_mul_ps(q0, k[u][0]))));
-                float lanes[16];
-                _mm512_storeu_ps(lanes, sums4(acc[0], acc[1], acc[2], acc[3]));
-                float *out = s + (h * g_n + g) * RUN_TOKENS + t;
-                for (int u = 0; u < 4; u++) out[u] = lanes[4 * u] * sc[u];
-            }
-        }
+        keys_i8_d64_pass(a, qr, base, t, 4, s);
     }
     for (; t < valid; t++) {
         if (ahead) prefetch_span(ahead + (int64_t)t * span, span);
-        for (int h = 0; h < kvh; h++) {
-            const int64_t row = base + (int64_t)t * kvh + h;
-            const int8_t *kp = (const int8_t *)a->kc + row * 64;
-            const __m512 k0 = widen16(kp), k1 = widen16(kp + 16), k2 = widen16(kp + 32), k3 = widen16(kp + 48);
-            for (int g = 0; g < g_n; g++) {
-                const float *q = qr + (h * g_n + g) * 64;
-                const __m512 acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), k3, _mm512_fmadd_ps(
-                    _mm512_loadu_ps(q + 32), k2, _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), k1,
-                                                                 _mm512_mul_ps(_mm512_loadu_ps(q), k0))));
-                float lanes[16];
-                _mm512_storeu_ps(lanes, sums4(acc, acc, acc, acc));
-                s[(h * g_n + g) * RUN_TOKENS + t] = lanes[0] * a->scale * a->ks[row];
-            }
-        }
+        keys_i8_d64_pass(a, qr, base, t, 1, s);
     }
 }
 

@@ -196,18 +196,13 @@ class CpuDecode:
 SHORT_PREFILL_TOKENS = 64
 
 
-def short_prefill(plan: reference.PrefillPlan | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Each query row's block table (rows, max blocks) and length (rows,) as int32, when every chunk of the
-    step's prefill is short; else None."""
-    if plan is None or not plan.seqs or any(s.end - s.start > SHORT_PREFILL_TOKENS for s in plan.seqs):
+def short_prefill(g: PrefillGroup | None, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each query row's block table (rows, max blocks) and length (its cache position + 1) as int32, when
+    every chunk of the step's prefill is short; else None. positions: the prefill rows' cache positions."""
+    if g is None or not any(g.query_lens) or max(g.query_lens) > SHORT_PREFILL_TOKENS:
         return None
-    rows = plan.seqs[-1].end
-    tables = torch.zeros(rows, max(len(s.block_ids) for s in plan.seqs), dtype=torch.int32)
-    lens = torch.zeros(rows, dtype=torch.int32)
-    for s in plan.seqs:
-        tables[s.start:s.end, :len(s.block_ids)] = s.block_ids.to(torch.int32)
-        lens[s.start:s.end] = torch.arange(s.num_keys - (s.end - s.start) + 1, s.num_keys + 1, dtype=torch.int32)
-    return tables, lens
+    tables = g.block_tables.to(torch.int32).repeat_interleave(torch.tensor(g.query_lens), dim=0)
+    return tables.contiguous(), (positions + 1).to(torch.int32)
 
 
 class CpuBackend(TorchBackend):
@@ -225,7 +220,8 @@ class CpuBackend(TorchBackend):
         """The torch backend's plan, with the rope tables beside the write's rows (the C write reads them),
         and each query row's table and length when every prefill chunk is short (`short_prefill`)."""
         write, decode, prefill = super().plan(meta, positions, cos, sin, dtype, heads)
-        return (write, cos.float().contiguous(), sin.float().contiguous(), short_prefill(prefill)), decode, prefill
+        short = short_prefill(meta.prefill, positions[meta.num_decode:])
+        return (write, cos.float().contiguous(), sin.float().contiguous(), short), decode, prefill
 
     def write_rows(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         return plan.write[0]
