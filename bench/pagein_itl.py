@@ -22,7 +22,11 @@ inside a step, so the gaps between the second reply's tokens while the
 resumes run should be those of the first (target: median within 20%).
 Printed per round and pooled: the median and p90 gap of the quiet reply
 (after its 5th token), of the resumed one while the resumes ran, their ratio,
-and the resumes' wall time. Never asserts; exits 0.
+and the resumes' wall time. The host's speed drifts between the two replies
+(a round's ratio has read 0.8 for unchanged code), so the second reply's own
+gaps before the resumes and from SETTLE_S after them are printed too, as a
+baseline taken around the window (`around`, not the target's), with the CPU
+time each process took in the window (Linux). Never asserts; exits 0.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -42,6 +47,7 @@ from longchat import StreamchatDaemon, histories, send
 
 REPLY_PROMPT = "Write the numbers from 1 to 500, one per line."  # greedy: counts on to max_output_tokens
 RESUME_AFTER = 20  # tokens of the second reply before the resumes start
+SETTLE_S = 0.05  # the second reply's gaps this long after the resumes count as around them again
 
 
 def healthz(url: str) -> dict:
@@ -145,7 +151,34 @@ def gaps(stamps: list[float], start: float = float("-inf"), end: float = float("
     return [b - a for a, b in list(zip(stamps, stamps[1:]))[skip:] if start <= b <= end]
 
 
-async def one_round(url: str, texts: list[str], tokens: int, same_loop: bool = False) -> dict:
+def cpu_ms(pids: dict[str, int]) -> dict[str, float]:
+    """CPU time each named process's threads have run so far (ms; /proc schedstat; {} off Linux)."""
+    out = {}
+    for name, pid in pids.items():
+        total = 0
+        for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except OSError:  # the thread ended
+                continue
+        out[name] = total / 1e6
+    return out
+
+
+def daemon_pids(front: int) -> dict[str, int]:
+    """The front and its engine core (the child with the most threads: not the resource tracker)."""
+    try:
+        with open(f"/proc/{front}/task/{front}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+    except OSError:
+        return {}
+    core = max(kids, key=lambda pid: len(os.listdir(f"/proc/{pid}/task")), default=None)
+    return {"front": front} if core is None else {"front": front, "core": core}
+
+
+async def one_round(url: str, texts: list[str], tokens: int, same_loop: bool = False,
+                    pids: dict[str, int] | None = None) -> dict:
     saved = await save_sessions(url, texts)
     deadline = time.monotonic() + 120
     while (h := healthz(url))["sessions"] or h["sessions_in_engine"]:
@@ -160,18 +193,24 @@ async def one_round(url: str, texts: list[str], tokens: int, same_loop: bool = F
         task = asyncio.create_task(stream(ws, tokens, busy))
         while len(busy) < RESUME_AFTER and not task.done():
             await asyncio.sleep(0.005)
+        pids = {**(pids or {}), "resumer": os.getpid() if same_loop else resumer.proc.pid}
+        cpu0 = cpu_ms(pids)
         if same_loop:
             t0 = time.perf_counter()
             origins = await resume_all(url, saved)
             t1 = time.perf_counter()
         else:
             origins, t0, t1 = await resumer.run(url, saved)
+        cpu1 = cpu_ms(pids)
         done = await task
     await ws.close()
     during = gaps(busy, t0, t1, skip=0)
     if done["status"] not in ("completed", "incomplete") or not busy or busy[-1] < t1:
         print("  the reply ended before the resumes did: raise --tokens", file=sys.stderr)
-    return {"quiet": gaps(quiet), "during": during, "resume_s": t1 - t0, "origins": origins}
+    around = gaps(busy, end=t0) + gaps(busy, t1 + SETTLE_S, skip=0)
+    cpu = {name: cpu1[name] - cpu0.get(name, 0.0) for name in cpu1}
+    return {"quiet": gaps(quiet), "during": during, "around": around, "resume_s": t1 - t0, "origins": origins,
+            "cpu_ms": cpu}
 
 
 def summary(quiet: list[float], during: list[float]) -> dict:
@@ -185,14 +224,18 @@ async def run(args) -> list[dict]:
     texts = histories(args.sessions * args.rounds, args.history)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, StreamchatDaemon(Path(tmp), args) as d:
+        pids = daemon_pids(d.proc.pid)
         for r in range(args.rounds):
             got = await one_round(d.url, texts[r * args.sessions:(r + 1) * args.sessions], args.tokens,
-                                  args.same_loop)
+                                  args.same_loop, pids)
             rows.append(got)
             s = summary(got["quiet"], got["during"])
-            print(f"  round {r + 1}: quiet p50 {s['quiet_p50_ms']:.1f} ms, during {len(got['during'])} gaps "
+            cpu = ", ".join(f"{name} {ms:.0f}" for name, ms in got["cpu_ms"].items())
+            print(f"  round {r + 1}: quiet p50 {s['quiet_p50_ms']:.1f} ms, around "
+                  f"{common.fmt(common.ms(common.median(got['around'])), 0)} ms, during {len(got['during'])} gaps "
                   f"p50 {common.fmt(s['during_p50_ms'], 0)} ms; {len(got['origins'])} resumes in "
-                  f"{got['resume_s']:.2f} s from {sorted(set(got['origins']))}", file=sys.stderr, flush=True)
+                  f"{got['resume_s']:.2f} s from {sorted(set(got['origins']))}; CPU ms in the window: {cpu}",
+                  file=sys.stderr, flush=True)
     return rows
 
 
@@ -216,16 +259,27 @@ def main(argv: list[str] | None = None) -> int:
     rows = asyncio.run(run(args))
     quiet = [g for r in rows for g in r["quiet"]]
     during = [g for r in rows for g in r["during"]]
+    around = [g for r in rows for g in r["around"]]
     s = summary(quiet, during)
+    a50 = common.median(around)
     origins = [o for r in rows for o in r["origins"]]
     print(f"{args.rounds} rounds x {args.sessions} disk resumes of ~{args.history} tokens while a reply streams")
     print(f"{'':10}{'p50 ms':>10}{'p90 ms':>10}{'gaps':>8}")
     print(f"{'quiet':10}{common.fmt(s['quiet_p50_ms'])}{common.fmt(s['quiet_p90_ms'])}{len(quiet):>8}")
+    print(f"{'around':10}{common.fmt(common.ms(a50))}{common.fmt(common.ms(common.percentile(around, 90)))}"
+          f"{len(around):>8}")
     print(f"{'resumes':10}{common.fmt(s['during_p50_ms'])}{common.fmt(s['during_p90_ms'])}{len(during):>8}")
     print(f"median gap while resuming / quiet: {common.fmt(s['ratio_p50'], 0, 3)} (target <= 1.2); "
           f"{origins.count('disk')} of {len(origins)} resumes from disk")
-    print(json.dumps(common.rounded({**s, "resumes": len(origins), "from_disk": origins.count("disk"),
-                                     "resume_s": [r["resume_s"] for r in rows]})))
+    print(f"median gap while resuming / around the resumes (same reply): "
+          f"{common.fmt(common.ratio(common.median(during), a50), 0, 3)}")
+    cpu = {name: sum(r["cpu_ms"].get(name, 0.0) for r in rows) / max(1, len(origins)) for name in rows[0]["cpu_ms"]}
+    print("CPU time in the resume windows, per resume (ms, every thread; the core's includes the stream's steps): "
+          + ", ".join(f"{name} {ms:.1f}" for name, ms in cpu.items()))
+    print(json.dumps(common.rounded({**s, "around_p50_ms": common.ms(a50),
+                                     "ratio_around_p50": common.ratio(common.median(during), a50),
+                                     "resumes": len(origins), "from_disk": origins.count("disk"),
+                                     "resume_s": [r["resume_s"] for r in rows], "cpu_ms_per_resume": cpu})))
     return 0
 
 

@@ -7,8 +7,10 @@ KVFileError with its reason, and nothing a file can hold raises anything else:
                   within bounds; the safetensors header a JSON object whose
                   entries each have a dtype kvfile writes, a shape and offsets
                   inside the file;
-                  its metadata a header and a checksum, both strings
-                  -> missing, unreadable, truncated
+                  its metadata a header and a checksum, both strings; each
+                  tensor's bytes its shape times its dtype's size, aligned to
+                  that size (the tensors are views of one buffer the file is
+                  read into) -> missing, unreadable, truncated
     2. checksum   over the header JSON and every tensor as loaded -> checksum
     3. fields     format and version -> version; session id and every layout
                   field, type included -> foreign; transcript mark -> stale;
@@ -34,12 +36,16 @@ import os
 import stat
 from pathlib import Path
 
+import torch
+
 from streamchat.config import EVICTIONS
 from streamchat.tiers import kvfile
 from streamchat.tiers.kvfile import (ANY_MARK, CHECKSUMS, KVFileError, KVLayout, SeqState, Snapshot, checksum,
                                      expected_tensors, mark_refusal)
 
-DTYPES = ("BF16", "F16", "F32", "I8", "U8", "F8_E4M3")  # safetensors' names of every dtype kvfile writes
+TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I8": torch.int8,
+                "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}  # safetensors' names of every dtype kvfile writes
+DTYPES = tuple(TORCH_DTYPES)
 MAX_COUNT = 1 << 53  # counters beyond any real session (and beyond what JSON carries exactly)
 STATE_TYPES = {"token_ids": list, "num_sink_blocks": int, "pinned_tokens": int, "pristine": bool,
                "evicted_tokens": int, "total_tokens": int, "cached_tokens": int, "queried_tokens": int,
@@ -48,8 +54,8 @@ STATE_TYPES = {"token_ids": list, "num_sink_blocks": int, "pinned_tokens": int, 
 
 def read(path: Path, layout: KVLayout, session_id: str, mark=ANY_MARK, *, vocab_size: int) -> Snapshot:
     """The snapshot in `path`, or KVFileError saying why it must not be used."""
-    meta = read_frame(path)[1]
-    tensors = _load_tensors(path)
+    doc, meta, data_start = _frame(path)
+    tensors = _load_tensors(path, doc, data_start)
     kind = meta["checksum"].partition(":")[0]
     if kind not in CHECKSUMS:
         raise KVFileError("checksum", f"a checksum of unknown kind {_show(kind)} (known: {', '.join(CHECKSUMS)})")
@@ -73,6 +79,11 @@ def read_header(path: Path) -> tuple[dict, dict]:
 
 def read_frame(path: Path) -> tuple[dict, dict]:
     """(tensor entries, metadata) of a whole safetensors file, its structure checked."""
+    return _frame(path)[:2]
+
+
+def _frame(path: Path) -> tuple[dict, dict, int]:
+    """read_frame's, and where the tensors' bytes start."""
     with _open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
@@ -96,7 +107,7 @@ def read_frame(path: Path) -> tuple[dict, dict]:
         data_end = max(data_end, offsets[1])
     if size < 8 + n + data_end:
         raise KVFileError("truncated", f"{size} bytes, the header says {8 + n + data_end}")
-    return doc, meta
+    return doc, meta, 8 + n
 
 
 def _open_regular(path: Path):
@@ -114,14 +125,35 @@ def _open_regular(path: Path):
     return open(fd, "rb")
 
 
-def _load_tensors(path: Path) -> dict:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def _load_tensors(path: Path, doc: dict, data_start: int) -> dict:
+    """Every tensor `doc` describes, as views of one buffer the file's bytes are read into.
 
+    One read into memory torch owns, with the GIL released. safetensors' load_file
+    held the GIL in long stretches (a thread polling every 0.5 ms beside it waited
+    2.3 ms at p99 and 7.0 ms at worst on a 12 MB file; 0.19 and 2.2 ms beside this
+    loader), and the reader thread runs at SCHED_IDLE: preempted while it holds
+    the GIL, it holds up the step loop's thread until it gets a core again.
+    """
+    end = max((e["data_offsets"][1] for e in doc.values()), default=0)
+    buf = torch.empty(end, dtype=torch.uint8)
     try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as exc:
-        raise KVFileError("unreadable", f"tensors: {_show(str(exc))}") from None
+        with _open_regular(path) as f:
+            f.seek(data_start)
+            got = f.readinto(memoryview(buf.numpy()))
+    except OSError as exc:
+        raise KVFileError("unreadable", f"tensors: {_show(exc.strerror or str(exc))}") from None
+    if got != end:
+        raise KVFileError("truncated", f"tensors: {got} of {end} bytes")
+    tensors = {}
+    for name, entry in doc.items():
+        dtype = TORCH_DTYPES[entry["dtype"]]
+        (start, stop), shape = entry["data_offsets"], entry["shape"]
+        if stop - start != math.prod(shape) * dtype.itemsize:
+            raise KVFileError("unreadable", f"tensor {_show(name)}: {stop - start} bytes for shape {shape}")
+        if start % dtype.itemsize:
+            raise KVFileError("unreadable", f"tensor {_show(name)} is not aligned to its dtype")
+        tensors[name] = buf[start:stop].view(dtype).view(shape)
+    return tensors
 
 
 def _json_object(text: str | bytes, what: str) -> dict:

@@ -233,3 +233,50 @@ def test_dtypes_kvfile_writes_are_the_ones_read():
                "torch.float32") for dtype, _ in expected_tensors(layout(kv_dtype=kv, model_dtype=md)).values()}
     names = {name for name, dtype in _TYPES.items() if dtype in written}
     assert names == set(kvread.DTYPES)
+
+
+def _with_entry(path, name_of, change) -> str:
+    """Rewrite the safetensors header of `path` with `change(entry)` applied to the entry `name_of(doc)`
+    picks (the tensors' bytes as they were); that entry's name."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    doc = json.loads(raw[8:8 + n])
+    name = name_of(doc)
+    change(doc[name])
+    head = json.dumps(doc).encode()
+    path.write_bytes(len(head).to_bytes(8, "little") + head + raw[8 + n:])
+    return name
+
+
+def test_a_tensor_whose_bytes_do_not_fit_its_shape_or_dtype_is_unreadable(written):
+    """The loader checks what safetensors checked: an entry's byte range is its shape times its dtype's size,
+    and starts where its dtype may start (the tensors are views of one buffer the file is read into)."""
+    lay, path = written
+    good = path.read_bytes()
+    def floats(doc):  # the first tensor in the file whose elements are wider than a byte
+        entries = sorted((e["data_offsets"][0], k) for k, e in doc.items() if k != "__metadata__"
+                         and e["dtype"] in ("BF16", "F16", "F32"))
+        return entries[0][1]
+
+    name = _with_entry(path, floats, lambda e: e["shape"].__setitem__(0, e["shape"][0] + 1))
+    assert refused(path, lay) == ("unreadable", f"unreadable: tensor {name!r}: "
+                                                f"{_bytes_of(good, name)} bytes for shape {_shape_of(path, name)}")
+    path.write_bytes(good)
+    name = _with_entry(path, floats, lambda e: e.__setitem__("data_offsets", [o + 1 for o in e["data_offsets"]]))
+    assert refused(path, lay) == ("unreadable", f"unreadable: tensor {name!r} is not aligned to its dtype")
+    path.write_bytes(good)
+    assert kvfile.read(path, lay, SID, vocab_size=VOCAB).state is not None
+
+
+def _entry(raw: bytes, name: str) -> dict:
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n])[name]
+
+
+def _bytes_of(raw: bytes, name: str) -> int:
+    start, stop = _entry(raw, name)["data_offsets"]
+    return stop - start
+
+
+def _shape_of(path, name: str) -> list:
+    return _entry(path.read_bytes(), name)["shape"]
