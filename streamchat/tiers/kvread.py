@@ -55,11 +55,11 @@ STATE_TYPES = {"token_ids": list, "num_sink_blocks": int, "pinned_tokens": int, 
 def read(path: Path, layout: KVLayout, session_id: str, mark=ANY_MARK, *, vocab_size: int) -> Snapshot:
     """The snapshot in `path`, or KVFileError saying why it must not be used."""
     doc, meta, data_start = _frame(path)
-    tensors = _load_tensors(path, doc, data_start)
+    tensors, raw = _load_tensors(path, doc, data_start)
     kind = meta["checksum"].partition(":")[0]
     if kind not in CHECKSUMS:
         raise KVFileError("checksum", f"a checksum of unknown kind {_show(kind)} (known: {', '.join(CHECKSUMS)})")
-    if checksum(meta["streamchat"], tensors, kind) != meta["checksum"]:
+    if checksum(meta["streamchat"], tensors, kind, raw) != meta["checksum"]:
         raise KVFileError("checksum", "contents do not match the checksum")
     header = _json_object(meta["streamchat"], "the streamchat header")
     _check_identity(header, layout, session_id)
@@ -125,35 +125,48 @@ def _open_regular(path: Path):
     return open(fd, "rb")
 
 
-def _load_tensors(path: Path, doc: dict, data_start: int) -> dict:
-    """Every tensor `doc` describes, as views of one buffer the file's bytes are read into.
+def _load_tensors(path: Path, doc: dict, data_start: int) -> tuple[dict, dict]:
+    """Every tensor `doc` describes, as views of one buffer the file's bytes are read into; and each
+    one's bytes as a memoryview of that buffer (for the checksum).
 
     One read into memory torch owns, with the GIL released. safetensors' load_file
     held the GIL in long stretches (a thread polling every 0.5 ms beside it waited
     2.3 ms at p99 and 7.0 ms at worst on a 12 MB file; 0.19 and 2.2 ms beside this
     loader), and the reader thread runs at SCHED_IDLE: preempted while it holds
-    the GIL, it holds up the step loop's thread until it gets a core again.
+    the GIL, it holds up the step loop's thread until it gets a core again. So
+    what is left here holds the GIL briefly: one strided view a tensor (0.22
+    against 0.48 ms for 120 tensors as slice, dtype view and reshape).
     """
     end = max((e["data_offsets"][1] for e in doc.values()), default=0)
     buf = torch.empty(end, dtype=torch.uint8)
+    data = memoryview(buf.numpy())
     try:
         with _open_regular(path) as f:
             f.seek(data_start)
-            got = f.readinto(memoryview(buf.numpy()))
+            got = f.readinto(data)
     except OSError as exc:
         raise KVFileError("unreadable", f"tensors: {_show(exc.strerror or str(exc))}") from None
     if got != end:
         raise KVFileError("truncated", f"tensors: {got} of {end} bytes")
-    tensors = {}
+    typed: dict[torch.dtype, torch.Tensor] = {}  # the whole buffer seen as each dtype used
+    tensors, raw = {}, {}
     for name, entry in doc.items():
         dtype = TORCH_DTYPES[entry["dtype"]]
         (start, stop), shape = entry["data_offsets"], entry["shape"]
-        if stop - start != math.prod(shape) * dtype.itemsize:
+        size = dtype.itemsize
+        if stop - start != math.prod(shape) * size:
             raise KVFileError("unreadable", f"tensor {_show(name)}: {stop - start} bytes for shape {shape}")
-        if start % dtype.itemsize:
+        if start % size:
             raise KVFileError("unreadable", f"tensor {_show(name)} is not aligned to its dtype")
-        tensors[name] = buf[start:stop].view(dtype).view(shape)
-    return tensors
+        if dtype not in typed:
+            typed[dtype] = buf[:end - end % size].view(dtype)
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.append(step)
+            step *= n
+        tensors[name] = typed[dtype].as_strided(shape, strides[::-1], start // size)
+        raw[name] = data[start:stop]
+    return tensors, raw
 
 
 def _json_object(text: str | bytes, what: str) -> dict:
