@@ -71,7 +71,9 @@ typedef struct {
  * sums are taken in another order than the generic passes' (outputs within 5.2e-8 of theirs there), and
  * in the same order in every batch. */
 
-static inline __m512 widen16(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline __m512 widen16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 
 /* The four lane sums of a, b, c, d, in lanes 0, 4, 8 and 12. */
 static inline __m512 sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -82,6 +84,17 @@ static inline __m512 sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
 }
 
+/* Rows t .. t + m - 1 of one block for KV head h, widened to floats (r), and their scales times mul (sc). */
+static inline __attribute__((always_inline)) void rows_i8_d64(const void *cache, const float *scales, float mul,
+                                                              int64_t base, int kvh, int h, int t, const int m,
+                                                              __m512 r[4][4], float sc[4]) {
+    for (int u = 0; u < m; u++) {
+        const int64_t row = base + (int64_t)(t + u) * kvh + h;
+        for (int j = 0; j < 4; j++) r[u][j] = widen16((const int8_t *)cache + row * 64 + 16 * j);
+        sc[u] = mul * scales[row];
+    }
+}
+
 /* Scores of tokens t .. t + m - 1 of one block (m: 4, or 1 for the block's last one to three) for every
  * query head: s[hq * RUN_TOKENS + t] (s offset to the block). */
 static inline __attribute__((always_inline)) void keys_i8_d64_pass(const Args *a, const float *qr, int64_t base,
@@ -90,11 +103,7 @@ static inline __attribute__((always_inline)) void keys_i8_d64_pass(const Args *a
     for (int h = 0; h < kvh; h++) {
         __m512 k[4][4];
         float sc[4];
-        for (int u = 0; u < m; u++) {
-            const int64_t row = base + (int64_t)(t + u) * kvh + h;
-            for (int j = 0; j < 4; j++) k[u][j] = widen16((const int8_t *)a->kc + row * 64 + 16 * j);
-            sc[u] = a->scale * a->ks[row];
-        }
+        rows_i8_d64(a->kc, a->ks, a->scale, base, kvh, h, t, m, k, sc);
         for (int g = 0; g < g_n; g++) {
             const float *q = qr + (h * g_n + g) * 64;
             const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
@@ -134,11 +143,7 @@ static inline __attribute__((always_inline)) void values_i8_d64_pass(const Args 
     for (int h = 0; h < kvh; h++) {
         __m512 v[4][4];
         float vs[4];
-        for (int u = 0; u < m; u++) {
-            const int64_t row = base + (int64_t)(t + u) * kvh + h;
-            for (int j = 0; j < 4; j++) v[u][j] = widen16((const int8_t *)a->vc + row * 64 + 16 * j);
-            vs[u] = a->vs[row];
-        }
+        rows_i8_d64(a->vc, a->vs, 1.0f, base, kvh, h, t, m, v, vs);  /* 1 x scale: the same bits */
         for (int g = 0; g < g_n; g++) {
             const int hq = h * g_n + g;
             const float *p = s + hq * RUN_TOKENS + t;
