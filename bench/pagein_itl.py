@@ -26,7 +26,20 @@ and the resumes' wall time. The host's speed drifts between the two replies
 (a round's ratio has read 0.8 for unchanged code), so the second reply's own
 gaps before the resumes and from SETTLE_S after them are printed too, as a
 baseline taken around the window (`around`, not the target's), with the CPU
-time each process took in the window (Linux). Never asserts; exits 0.
+time each process took in the window (Linux), and the stream's delay per
+resume: the gaps that overlap the window or the SETTLE_S after it, beyond
+the median around it, summed (it does not depend on how long the window is,
+which the ratio does).
+
+On two cores the step's two threads take both, so any client's work beside it
+slows the stream, a page-in or not. Two ways to tell the page-in's own cost:
+
+    --bare         the control: the same clients only open and close as many
+                   connections (no resume, no page-in); compare the delays
+    --threads 1    the step on one thread, so the resumes' work (front, store,
+                   clients, reader) has a core of its own
+
+Never asserts; exits 0.
 """
 
 from __future__ import annotations
@@ -98,12 +111,17 @@ async def stream(ws, tokens: int, stamps: list[float]) -> dict:
             return e["response"]
 
 
-async def resume_all(url: str, saved: list[tuple[str, str]]) -> list[str]:
+async def resume_all(url: str, saved: list[tuple[str, str]], bare: bool = False) -> list[str]:
+    """Resume each saved session on a connection of its own and close it; `bare`: only open and close
+    as many connections (the control: a client's work without a page-in), each origin "none"."""
     origins = []
     for sid, token in saved:
         ws, _ = await connect(url)
-        await send(ws, {"type": "streamchat.session.resume", "session_id": sid, "resume_token": token})
-        origins.append((await until(ws, "streamchat.session.resumed"))["restored_from"])
+        if bare:
+            origins.append("none")
+        else:
+            await send(ws, {"type": "streamchat.session.resume", "session_id": sid, "resume_token": token})
+            origins.append((await until(ws, "streamchat.session.resumed"))["restored_from"])
         await ws.close()
     return origins
 
@@ -121,8 +139,8 @@ class Resumer:
             raise RuntimeError("the resuming client process did not start")
         return self
 
-    async def run(self, url: str, saved: list[tuple[str, str]]) -> tuple[list[str], float, float]:
-        self.proc.stdin.write(orjson.dumps({"url": url, "saved": saved}) + b"\n")
+    async def run(self, url: str, saved: list[tuple[str, str]], bare: bool) -> tuple[list[str], float, float]:
+        self.proc.stdin.write(orjson.dumps({"url": url, "saved": saved, "bare": bare}) + b"\n")
         await self.proc.stdin.drain()
         got = orjson.loads(await self.proc.stdout.readline())
         return got["origins"], got["t0"], got["t1"]
@@ -140,7 +158,7 @@ def resumer_main() -> int:
     sys.stdout.flush()
     job = orjson.loads(sys.stdin.buffer.readline())
     t0 = time.perf_counter()
-    origins = asyncio.run(resume_all(job["url"], [tuple(x) for x in job["saved"]]))
+    origins = asyncio.run(resume_all(job["url"], [tuple(x) for x in job["saved"]], job["bare"]))
     t1 = time.perf_counter()
     sys.stdout.buffer.write(orjson.dumps({"origins": origins, "t0": t0, "t1": t1}) + b"\n")
     sys.stdout.flush()
@@ -178,7 +196,7 @@ def daemon_pids(front: int) -> dict[str, int]:
 
 
 async def one_round(url: str, texts: list[str], tokens: int, same_loop: bool = False,
-                    pids: dict[str, int] | None = None) -> dict:
+                    pids: dict[str, int] | None = None, bare: bool = False) -> dict:
     saved = await save_sessions(url, texts)
     deadline = time.monotonic() + 120
     while (h := healthz(url))["sessions"] or h["sessions_in_engine"]:
@@ -197,10 +215,10 @@ async def one_round(url: str, texts: list[str], tokens: int, same_loop: bool = F
         cpu0 = cpu_ms(pids)
         if same_loop:
             t0 = time.perf_counter()
-            origins = await resume_all(url, saved)
+            origins = await resume_all(url, saved, bare)
             t1 = time.perf_counter()
         else:
-            origins, t0, t1 = await resumer.run(url, saved)
+            origins, t0, t1 = await resumer.run(url, saved, bare)
         cpu1 = cpu_ms(pids)
         done = await task
     await ws.close()
@@ -209,8 +227,11 @@ async def one_round(url: str, texts: list[str], tokens: int, same_loop: bool = F
         print("  the reply ended before the resumes did: raise --tokens", file=sys.stderr)
     around = gaps(busy, end=t0) + gaps(busy, t1 + SETTLE_S, skip=0)
     cpu = {name: cpu1[name] - cpu0.get(name, 0.0) for name in cpu1}
+    a50 = common.median(around)
+    hit = [b - a for a, b in zip(busy, busy[1:]) if b > t0 and a < t1 + SETTLE_S]  # gaps the window touches
+    stall = sum(g - a50 for g in hit) if hit and a50 is not None else None
     return {"quiet": gaps(quiet), "during": during, "around": around, "resume_s": t1 - t0, "origins": origins,
-            "cpu_ms": cpu}
+            "cpu_ms": cpu, "stall_s": stall}
 
 
 def summary(quiet: list[float], during: list[float]) -> dict:
@@ -227,14 +248,15 @@ async def run(args) -> list[dict]:
         pids = daemon_pids(d.proc.pid)
         for r in range(args.rounds):
             got = await one_round(d.url, texts[r * args.sessions:(r + 1) * args.sessions], args.tokens,
-                                  args.same_loop, pids)
+                                  args.same_loop, pids, args.bare)
             rows.append(got)
             s = summary(got["quiet"], got["during"])
             cpu = ", ".join(f"{name} {ms:.0f}" for name, ms in got["cpu_ms"].items())
             print(f"  round {r + 1}: quiet p50 {s['quiet_p50_ms']:.1f} ms, around "
                   f"{common.fmt(common.ms(common.median(got['around'])), 0)} ms, during {len(got['during'])} gaps "
                   f"p50 {common.fmt(s['during_p50_ms'], 0)} ms; {len(got['origins'])} resumes in "
-                  f"{got['resume_s']:.2f} s from {sorted(set(got['origins']))}; CPU ms in the window: {cpu}",
+                  f"{got['resume_s']:.2f} s from {sorted(set(got['origins']))}, the stream delayed "
+                  f"{common.fmt(common.ms(got['stall_s']), 0)} ms; CPU ms in the window: {cpu}",
                   file=sys.stderr, flush=True)
     return rows
 
@@ -250,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--same-loop", action="store_true",
                    help="resume from the streaming client's own event loop (before 2026-12-06: its handshakes "
                         "then delay the stream's timestamps)")
+    p.add_argument("--bare", action="store_true",
+                   help="the control: open and close as many connections instead, no resume and no page-in")
     p.add_argument("--resumer", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.resumer:
@@ -263,22 +287,29 @@ def main(argv: list[str] | None = None) -> int:
     s = summary(quiet, during)
     a50 = common.median(around)
     origins = [o for r in rows for o in r["origins"]]
-    print(f"{args.rounds} rounds x {args.sessions} disk resumes of ~{args.history} tokens while a reply streams")
+    what = "bare connections (the control)" if args.bare else f"disk resumes of ~{args.history} tokens"
+    print(f"{args.rounds} rounds x {args.sessions} {what} while a reply streams")
     print(f"{'':10}{'p50 ms':>10}{'p90 ms':>10}{'gaps':>8}")
     print(f"{'quiet':10}{common.fmt(s['quiet_p50_ms'])}{common.fmt(s['quiet_p90_ms'])}{len(quiet):>8}")
     print(f"{'around':10}{common.fmt(common.ms(a50))}{common.fmt(common.ms(common.percentile(around, 90)))}"
           f"{len(around):>8}")
     print(f"{'resumes':10}{common.fmt(s['during_p50_ms'])}{common.fmt(s['during_p90_ms'])}{len(during):>8}")
-    print(f"median gap while resuming / quiet: {common.fmt(s['ratio_p50'], 0, 3)} (target <= 1.2); "
+    print(f"median gap while resuming / quiet: {common.fmt(s['ratio_p50'], 0, 3)} "
+          f"({'the control' if args.bare else 'target <= 1.2'}); "
           f"{origins.count('disk')} of {len(origins)} resumes from disk")
     print(f"median gap while resuming / around the resumes (same reply): "
           f"{common.fmt(common.ratio(common.median(during), a50), 0, 3)}")
+    stalls = [r["stall_s"] for r in rows if r["stall_s"] is not None]
+    stall_ms = common.ms(sum(stalls) / max(1, len(origins))) if stalls else None
+    print(f"the stream's delay per {'connection' if args.bare else 'resume'} (the gaps touching the window "
+          f"beyond the median around it, summed): {common.fmt(stall_ms, 0)} ms")
     cpu = {name: sum(r["cpu_ms"].get(name, 0.0) for r in rows) / max(1, len(origins)) for name in rows[0]["cpu_ms"]}
     print("CPU time in the resume windows, per resume (ms, every thread; the core's includes the stream's steps): "
           + ", ".join(f"{name} {ms:.1f}" for name, ms in cpu.items()))
     print(json.dumps(common.rounded({**s, "around_p50_ms": common.ms(a50),
                                      "ratio_around_p50": common.ratio(common.median(during), a50),
                                      "resumes": len(origins), "from_disk": origins.count("disk"),
+                                     "stall_ms_per_resume": stall_ms,
                                      "resume_s": [r["resume_s"] for r in rows], "cpu_ms_per_resume": cpu})))
     return 0
 
