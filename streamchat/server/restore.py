@@ -198,8 +198,7 @@ class Restorer:
         from streamchat.server.sessions import LiveSession
 
         hub = self.hub
-        record = await hub.store.get_session(session_id)  # again: an earlier holder may have changed it
-        items = await hub.store.items(session_id)
+        record, items = await hub.store.session_with_items(session_id)  # again: an earlier holder may have written
         s = LiveSession(record.id, record.token_hash, None, record.instructions,
                         record.settings.get("max_output_tokens", "inf"), self._stored_sampling(record), stored=True)
         s.last_item_id = items[-1].item_id if items else None

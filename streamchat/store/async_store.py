@@ -131,6 +131,10 @@ class AsyncStore:
         """See `Store.items`."""
         return await self._call(self._store.items, session_id)
 
+    async def session_with_items(self, session_id: str) -> tuple[SessionRecord, list[ItemRecord]]:
+        """See `Store.session_with_items`."""
+        return await self._call(self._store.session_with_items, session_id)
+
     async def aclose(self) -> None:
         """Wait for every queued call, close the store, then stop the worker thread."""
         try:

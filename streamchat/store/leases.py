@@ -32,7 +32,7 @@ import math
 from collections.abc import Callable
 from typing import NoReturn
 
-from sqlalchemy import case, or_, select, update
+from sqlalchemy import bindparam, case, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -65,6 +65,14 @@ class Leases:
         self._sessions = sessions
         self._dialect = dialect
         self._clock = clock
+        # Built once with bound parameters: building a statement and its cache key each call cost as much
+        # CPU as running it (acquire 0.92-1.13 -> 0.63-0.65 ms, renew 0.50 -> 0.37, release 0.56 -> 0.35;
+        # SQLite on the 2-core EPYC, 40 sessions a figure).
+        self._acquire = None if dialect not in transaction.UPSERT_DIALECTS else _acquire_statement(dialect)
+        this = (LeaseRow.session_id == bindparam("b_sid"), LeaseRow.owner == bindparam("b_owner"),
+                LeaseRow.epoch == bindparam("b_epoch"), LeaseRow.expires_at > bindparam("b_now"))
+        self._renew = update(LeaseRow).where(*this).values(expires_at=bindparam("b_until"))
+        self._release = update(LeaseRow).where(*this).values(expires_at=bindparam("b_now"))
 
     def acquire(self, session_id: str, owner: str, lease_s: float) -> Lease | None:
         """Take the session's lease for `lease_s` seconds if it is free, expired or already `owner`'s.
@@ -74,25 +82,14 @@ class Leases:
         (1 for a session never leased). UnknownSession if there is no such session.
         """
         _check_lease_s(lease_s)
+        if self._acquire is None:
+            transaction.upsert(self._dialect, LeaseRow)  # raises: leases need SQLite or PostgreSQL
         now = self._clock()
         until = now + dt.timedelta(seconds=lease_s)
-        statement = transaction.upsert(self._dialect, LeaseRow).values(
-            session_id=session_id, owner=owner, epoch=1, acquired_at=now, expires_at=until
-        )
-        same_owner = LeaseRow.owner == statement.excluded.owner
-        statement = statement.on_conflict_do_update(
-            index_elements=[LeaseRow.session_id],
-            set_={
-                "epoch": case((same_owner, LeaseRow.epoch), else_=LeaseRow.epoch + 1),
-                "acquired_at": case((same_owner, LeaseRow.acquired_at), else_=statement.excluded.acquired_at),
-                "owner": statement.excluded.owner,
-                "expires_at": statement.excluded.expires_at,
-            },
-            where=or_(same_owner, LeaseRow.expires_at <= now),
-        ).returning(LeaseRow.epoch)
+        params = {"b_sid": session_id, "b_owner": owner, "b_now": now, "b_until": until}
         try:
             with transaction.write(self._sessions) as db:
-                epoch = db.execute(statement).scalar_one_or_none()
+                epoch = db.execute(self._acquire, params).scalar_one_or_none()
         except IntegrityError as exc:  # the lease row's foreign key: no such session
             raise UnknownSession(session_id) from exc
         if epoch is None:
@@ -108,23 +105,18 @@ class Leases:
         if nobody took the session meanwhile.
         """
         now = self._clock()
-        statement = (
-            update(LeaseRow)
-            .where(*_this_lease(lease), LeaseRow.expires_at > now)
-            .values(expires_at=now + dt.timedelta(seconds=lease.lease_s))
-        )
+        params = {**_this_lease(lease), "b_now": now, "b_until": now + dt.timedelta(seconds=lease.lease_s)}
         with transaction.write(self._sessions) as db:
-            return db.execute(statement, execution_options=_NO_SYNC).rowcount == 1
+            return db.execute(self._renew, params, execution_options=_NO_SYNC).rowcount == 1
 
     def release(self, lease: Lease) -> bool:
         """End `lease` now, so any daemon may take the session at once; False if it was no longer held.
 
         The row stays, with its epoch: a later owner gets the next epoch.
         """
-        now = self._clock()
-        statement = update(LeaseRow).where(*_this_lease(lease), LeaseRow.expires_at > now).values(expires_at=now)
+        params = {**_this_lease(lease), "b_now": self._clock()}
         with transaction.write(self._sessions) as db:
-            released = db.execute(statement, execution_options=_NO_SYNC).rowcount == 1
+            released = db.execute(self._release, params, execution_options=_NO_SYNC).rowcount == 1
         logger.debug("lease on %s at epoch %d released: %s", lease.session_id, lease.epoch, released)
         return released
 
@@ -145,13 +137,12 @@ def fence(db: Session, session_id: str, epoch: int) -> None:
     """
     # A no-op UPDATE rather than a SELECT: the lock comes first, on both backends
     # (a SQLite read would pin a snapshot that a later write could not upgrade).
-    statement = (
-        update(LeaseRow)
-        .where(LeaseRow.session_id == session_id, LeaseRow.epoch == epoch)
-        .values(epoch=LeaseRow.epoch)
-    )
-    if db.execute(statement, execution_options=_NO_SYNC).rowcount == 0:
+    if db.execute(_FENCE, {"b_sid": session_id, "b_epoch": epoch}, execution_options=_NO_SYNC).rowcount == 0:
         _lease_lost(db, session_id, epoch)
+
+
+_FENCE = (update(LeaseRow).where(LeaseRow.session_id == bindparam("b_sid"), LeaseRow.epoch == bindparam("b_epoch"))
+          .values(epoch=LeaseRow.epoch))
 
 
 def _lease_lost(db: Session, session_id: str, epoch: int) -> NoReturn:
@@ -165,8 +156,28 @@ def _lease_lost(db: Session, session_id: str, epoch: int) -> NoReturn:
     raise StoreError(LEASE_LOST, message)
 
 
-def _this_lease(lease: Lease) -> tuple:
-    return LeaseRow.session_id == lease.session_id, LeaseRow.owner == lease.owner, LeaseRow.epoch == lease.epoch
+def _this_lease(lease: Lease) -> dict:
+    """The bound parameters that name exactly this lease (session, owner and epoch)."""
+    return {"b_sid": lease.session_id, "b_owner": lease.owner, "b_epoch": lease.epoch}
+
+
+def _acquire_statement(dialect: str):
+    """The compare-and-set that takes a lease: insert the row, or take it over where it is the same
+    owner's or has expired; RETURNING the epoch (no row: another owner's lease runs)."""
+    statement = transaction.upsert(dialect, LeaseRow).values(
+        session_id=bindparam("b_sid"), owner=bindparam("b_owner"), epoch=1, acquired_at=bindparam("b_now"),
+        expires_at=bindparam("b_until"))
+    same_owner = LeaseRow.owner == statement.excluded.owner
+    return statement.on_conflict_do_update(
+        index_elements=[LeaseRow.session_id],
+        set_={
+            "epoch": case((same_owner, LeaseRow.epoch), else_=LeaseRow.epoch + 1),
+            "acquired_at": case((same_owner, LeaseRow.acquired_at), else_=statement.excluded.acquired_at),
+            "owner": statement.excluded.owner,
+            "expires_at": statement.excluded.expires_at,
+        },
+        where=or_(same_owner, LeaseRow.expires_at <= bindparam("b_now")),
+    ).returning(LeaseRow.epoch)
 
 
 def _check_lease_s(lease_s: float) -> None:

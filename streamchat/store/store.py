@@ -268,12 +268,25 @@ class Store:
 
     def items(self, session_id: str) -> list[ItemRecord]:
         """Every item of the session in seq order."""
-        query = select(ItemRow).where(ItemRow.session_id == session_id).order_by(ItemRow.seq)
         with self._read() as db:
-            records = [ItemRecord.from_row(row) for row in db.scalars(query)]
+            records = _item_records(db, session_id)
             if not records and db.get(SessionRow, session_id) is None:
                 raise UnknownSession(session_id)
             return records
+
+    def session_with_items(self, session_id: str) -> tuple[SessionRecord, list[ItemRecord]]:
+        """The committed session and its items in seq order, as one transaction saw them (a resume
+        reads both: one read instead of two); UnknownSession if there is no such session."""
+        with self._read() as db:
+            row = db.get(SessionRow, session_id)
+            if row is None:
+                raise UnknownSession(session_id)
+            return SessionRecord.from_row(row), _item_records(db, session_id)
+
+
+def _item_records(db: Session, session_id: str) -> list[ItemRecord]:
+    query = select(ItemRow).where(ItemRow.session_id == session_id).order_by(ItemRow.seq)
+    return [ItemRecord.from_row(row) for row in db.scalars(query)]
 
 
 def _take_seq(db: Session, session_id: str, now: dt.datetime) -> int:
