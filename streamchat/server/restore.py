@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from streamchat.server.sessions import Hub, LiveSession
 
 log = logging.getLogger(__name__)
+NOT_OPENED = -1  # LiveSession.epoch of a new session no engine core has opened yet (0: in none, maybe half-built)
 
 
 class SessionNotFound(Exception):
@@ -96,7 +97,7 @@ class Restorer:
 
     async def ensure(self, s: LiveSession) -> str | None:
         """Make sure `s` is open in the engine core that runs now; where it came from, if it had to
-        come back (the core restarted since it was opened), else None."""
+        come back (the core restarted since it was opened), else None (a new session entering it)."""
         if self.engine.restarting:  # the epoch advances only as the next core starts: compare after that
             await self.engine.wait_ready()
         if s.epoch == self.engine.epoch:
@@ -106,6 +107,11 @@ class Restorer:
                 return None
             await self.engine.wait_ready()
             epoch = self.engine.epoch
+            if s.epoch == NOT_OPENED and not s.stored:  # new: its instructions are the model's default
+                await self.hub.submit(api.OpenSession(s.id, await self.hub.tokens(self.hub.chat.system_prefix,
+                                                                                  s.instructions)))
+                s.epoch = epoch
+                return None
             restored_from = await self._reopen(s)
             s.epoch = epoch
             log.info("session %s is back in the restarted engine (from %s)", s.id, restored_from)

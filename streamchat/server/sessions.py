@@ -24,7 +24,7 @@ from streamchat.model.sampling_params import SamplingParams, resolve_params
 from streamchat.server.events import new_id, session_object
 from streamchat.server.fleet import FencedStore, Fleet
 from streamchat.server.protocol import SESSION_SAMPLING_FIELDS
-from streamchat.server.restore import Restorer, SessionNotFound, transcript_mark, transcript_messages
+from streamchat.server.restore import NOT_OPENED, Restorer, SessionNotFound, transcript_mark, transcript_messages
 from streamchat.store import AsyncStore, hash_token, new_resume_token
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ class LiveSession:
     response_over: asyncio.Event = field(default_factory=asyncio.Event)  # set when none runs
     attached: int = 0
     detached_at: float = 0.0  # when the last connection let go (monotonic)
-    epoch: int = 0  # the engine core it is open in (CoreClient.epoch); older: it must come back first
+    epoch: int = 0  # the engine core it is open in (CoreClient.epoch); older: it must come back first;
+    # NOT_OPENED: in none yet (a connection's new session enters the engine with its first engine call)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def running(self, rid: str, owner) -> None:
@@ -141,16 +142,20 @@ class Hub:
     # -- sessions -----------------------------------------------------------------------
 
     async def create(self) -> LiveSession:
+        """A new session for a connection; it enters the engine with its first engine call, so a
+        connection that only resumes another session (or none) costs the engine nothing: an open and
+        a close were two core round trips, about a third of the front's CPU for a bare connection."""
         token = new_resume_token()
-        s = LiveSession(new_id("sess"), hash_token(token), token)
-        await self.engine.wait_ready()  # the core it opens in is the one its epoch names
-        s.epoch = self.engine.epoch
-        await self.submit(api.OpenSession(s.id, tuple(self.chat.system_prefix(""))))
+        s = LiveSession(new_id("sess"), hash_token(token), token, epoch=NOT_OPENED)
+        await self.engine.wait_ready()  # a connection made while the core restarts waits for it
         self.sessions[s.id] = s
         return s
 
     async def ensure_stored(self, s: LiveSession) -> None:
+        """Store the session if it is not yet; it enters the engine first, so that a stored session has
+        been opened (one that comes back after a core restart is rebuilt from the store)."""
         if not s.stored:
+            await self.restore.ensure(s)
             await self.store.create_session(s.id, s.token_hash, s.instructions, self._settings(s))
             s.stored = True
 
@@ -166,6 +171,7 @@ class Hub:
         `sampling`: sampling defaults to set (SamplingParams names; others kept); a value
         out of range is `invalid_event` and changes nothing.
         """
+        await self.restore.ensure(s)  # a new session enters the engine as it was made, before it changes
         new_instructions = instructions if instructions is not None else s.instructions
         new_max = max_output_tokens if max_output_tokens is not None else s.max_output_tokens
         new_sampling = {**s.sampling, **(sampling or {})}
@@ -285,6 +291,8 @@ class Hub:
         s.detached_at = time.monotonic()
         if s.attached <= 0 and not s.stored:
             self.sessions.pop(s.id, None)
+            if s.epoch == NOT_OPENED:
+                return
             try:
                 await self.submit(api.CloseSession(s.id))
             except EngineError as exc:

@@ -179,3 +179,43 @@ def test_sessions_nobody_holds_leave_memory_and_resume_from_disk(tmp_path, monke
             assert (await c.until("response.done"))[-1]["response"]["status"] in ("completed", "incomplete")
             await c.close()
     asyncio.run(go())
+
+
+def test_a_connections_session_enters_the_engine_with_its_first_engine_call(tmp_path, monkeypatch):
+    """A new connection's session is opened in the engine core only when it is used: a connection that
+    resumes another session, or closes unused, leaves nothing in the core (it used to cost an open and a
+    close there); one that starts with session.update enters it with the instructions it asked for."""
+    async def until_only(d, session_ids):
+        for _ in range(100):
+            if set(d.hub.sessions) == session_ids:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the daemon holds {set(d.hub.sessions)}, not {session_ids}")
+
+    async def go():
+        async with daemon(tmp_path, monkeypatch) as (d, store, url):
+            a = await Client.open(url)
+            sid, token = a.created["session"]["id"], a.created["session"]["resume_token"]
+            assert d.health()["sessions"] == 1 and d.aengine.snapshot.sessions == 0
+            await a.send({"type": "session.update", "session": {"instructions": "Answer in French."}})
+            await a.until("session.updated")
+            assert d.aengine.snapshot.sessions == 1
+            await a.send(user_item("Say hello."))
+            await a.until("conversation.item.done")
+            await a.send({"type": "streamchat.session.stats"})
+            stats = (await a.until("streamchat.session.stats"))[-1]
+            assert stats["total_tokens"] == stats["context_tokens"], stats  # the instructions entered once
+            b = await Client.open(url)
+            await b.send({"type": "streamchat.session.resume", "session_id": sid, "resume_token": token})
+            assert (await b.until("streamchat.session.resumed"))[-1]["restored_from"] == "memory"
+            unused = await Client.open(url)
+            await unused.close()
+            await until_only(d, {sid})
+            await b.send({"type": "streamchat.session.stats"})  # a command: the core sends its figures after it
+            await b.until("streamchat.session.stats")
+            assert d.aengine.snapshot.sessions == 1
+            await b.send({"type": "response.create", "response": {"max_output_tokens": 4}})
+            assert (await b.until("response.done"))[-1]["response"]["status"] in ("completed", "incomplete")
+            for c in (a, b):
+                await c.close()
+    asyncio.run(go())
