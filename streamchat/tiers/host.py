@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from streamchat.cache.block_pool import BlockPool
-from streamchat.tiers.kvfile import SeqState, byte_view
+from streamchat.tiers.kvfile import SeqState, byte_view, words
 
 
 @dataclass
@@ -48,7 +48,8 @@ def copy_blocks(src_caches, src_ids: list[int], dst_caches, dst_ids: list[int], 
             di = torch.tensor(dst_ids, dtype=torch.long, device=dst[0].device)
             for s, d in zip(src, dst):
                 if s is not None:
-                    byte_view(d).index_copy_(0, di, byte_view(s).index_select(0, si).to(d.device))
+                    src_rows, dst_rows = words(s, d, copied=len(src_ids))
+                    dst_rows.index_copy_(0, di, src_rows.index_select(0, si).to(d.device))
         return
     current = torch.cuda.current_stream(stream.device)
     stream.wait_stream(current)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import secrets
 import time
@@ -142,6 +143,27 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
 
 
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+WORD_ROWS = 8  # copies of fewer rows than this stay elementwise: viewing costs more than it saves
+
+
+def words(*ts: torch.Tensor, copied: int = WORD_ROWS) -> tuple[torch.Tensor, ...]:
+    """Contiguous tensors of equal row size, (n, ...) each, as (n, W) raw words of one integer type: the
+    widest that their row bytes and addresses allow (bytes at worst), never a copy. A row copy
+    (index_copy_ or index_select on dim 0) of `copied` rows then moves words, not elements: 63 blocks of
+    30 int8 layers with their scales (a ~1,000-token page-in) went into a pool in 4.5 ms as words, 8.6 ms
+    elementwise; 16 blocks 2.1 against 2.7 ms; 1 block 1.6 against 0.9 (one process, interleaved, 2-core
+    EPYC). Below WORD_ROWS rows, or not contiguous, they come back as `byte_view`s, as before."""
+    if copied < WORD_ROWS or not all(t.is_contiguous() for t in ts):
+        return tuple(byte_view(t) for t in ts)
+    flat = [t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8) for t in ts]
+    row_bytes = flat[0].shape[1]
+    for width, dtype in _WORDS:
+        if row_bytes % width == 0 and all(f.data_ptr() % width == 0 for f in flat):
+            return tuple(f.view(dtype) for f in flat)
+    return tuple(flat)
+
+
 def gather(caches, block_ids: list[int]) -> dict[str, torch.Tensor]:
     """Copy blocks out of per-layer pools (LayerKV, LatentKV) into CPU tensors, in the given order."""
     out = {}
@@ -149,7 +171,9 @@ def gather(caches, block_ids: list[int]) -> dict[str, torch.Tensor]:
         idx = torch.tensor(block_ids, dtype=torch.long, device=kv[0].device)
         for name, t in zip(kv._fields, kv):
             if t is not None:
-                out[f"{name}.{layer}"] = t.index_select(0, idx).cpu()
+                (rows,) = words(t, copied=len(block_ids))
+                picked = rows.index_select(0, idx).cpu()
+                out[f"{name}.{layer}"] = picked.view(torch.uint8).view(t.dtype).reshape(len(block_ids), *t.shape[1:])
     return out
 
 
@@ -157,15 +181,18 @@ def scatter(tensors: dict[str, torch.Tensor], rows: list[int], caches, block_ids
     """Write rows `rows` of snapshot tensors into pool blocks `block_ids` (same length). Runs on the engine
     core's step thread: rows that follow each other (a page-in's usual case) are read where they lie."""
     run = rows == list(range(rows[0], rows[0] + len(rows))) if rows else False  # most page-ins: a view, no copy
+    dst = {}
     for layer, kv in enumerate(caches):
         dev = kv[0].device
-        dst = torch.tensor(block_ids, dtype=torch.long, device=dev)
+        if dev not in dst:
+            dst[dev] = torch.tensor(block_ids, dtype=torch.long, device=dev)
         src = None if run else torch.tensor(rows, dtype=torch.long)
         for name, t in zip(kv._fields, kv):
             if t is not None:
                 whole = tensors[f"{name}.{layer}"]
                 rows_of = whole.narrow(0, rows[0], len(rows)) if run else whole.index_select(0, src)
-                byte_view(t).index_copy_(0, dst, byte_view(rows_of).to(dev))
+                pool_rows, new_rows = words(t, rows_of.to(dev), copied=len(rows))
+                pool_rows.index_copy_(0, dst[dev], new_rows)
 
 
 def expected_tensors(layout: KVLayout) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

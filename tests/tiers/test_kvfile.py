@@ -189,3 +189,56 @@ def test_scatter_writes_each_asked_row_into_its_block_and_nothing_else(rows):
                 assert torch.equal(pool[b], tensors[f"{name}.{layer}"][r])
             untouched = [b for b in range(12) if b not in blocks]
             assert not pool[untouched].any()
+
+
+def test_words_views_rows_as_the_widest_words_their_size_and_address_allow():
+    """A row copy moves words: int64 where the row bytes and every tensor's address allow, narrower where
+    they do not, never a copy; a tensor that is not contiguous is left as it was."""
+    x = torch.arange(4 * 24, dtype=torch.int8).reshape(4, 2, 12)  # rows of 24 bytes
+    assert kvfile.words(x, copied=kvfile.WORD_ROWS - 1)[0].dtype == torch.int8  # a few rows: elementwise
+    (w,) = kvfile.words(x)
+    assert (w.dtype, tuple(w.shape), w.data_ptr()) == (torch.int64, (4, 3), x.data_ptr())
+    buf = torch.zeros(4 * 24 + 2, dtype=torch.uint8)
+    assert kvfile.words(buf[2:26].view(4, 6))[0].dtype == torch.int16  # 6-byte rows, 2 bytes past aligned
+    shifted = buf[1:97].view(4, 24).view(torch.int8)
+    assert [t.dtype for t in kvfile.words(x, shifted)] == [torch.uint8, torch.uint8]  # one odd address: bytes
+    assert kvfile.words(x[:, :, ::2])[0].dtype == torch.int8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+def test_gather_copies_blocks_out_in_their_dtype_and_shape(dtype):
+    from streamchat.model.attention import LayerKV
+
+    g = torch.Generator().manual_seed(3)
+    pool = [LayerKV(torch.randn(16, 4, 2, 8, generator=g).mul(20).to(dtype),
+                    torch.randn(16, 4, 2, 8, generator=g).mul(20).to(dtype)) for _ in range(2)]
+    for ids in ([7, 2, 5], [7, 2, 5, 15, 1, 9, 8, 3, 11]):  # elementwise, then as words
+        got = kvfile.gather(pool, ids)
+        for layer, kv in enumerate(pool):
+            for name in ("key", "value"):
+                out, want = got[f"{name}.{layer}"], getattr(kv, name)[ids]
+                assert out.dtype == dtype and out.shape == want.shape
+                assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("rows", [list(range(1, 11)), [9, 0, 3, 2, 8, 7, 1, 4, 6, 5]])
+def test_scatter_of_many_rows_moves_words_and_lands_them_exactly(rows):
+    """Ten rows (as words) of int8 codes and float32 scales, read in place or gathered, land bit for bit."""
+    from collections import namedtuple
+
+    kv_type = namedtuple("KV", "key value k_scale v_scale")
+    g = torch.Generator().manual_seed(5)
+    tensors = {}
+    for name, shape, dtype in (("key", (4, 2, 8), torch.int8), ("value", (4, 2, 8), torch.int8),
+                               ("k_scale", (4, 2), torch.float32), ("v_scale", (4, 2), torch.float32)):
+        tensors[f"{name}.0"] = (torch.randint(-127, 128, (11, *shape), dtype=dtype, generator=g) if dtype == torch.int8
+                                else torch.rand(11, *shape, generator=g))
+    pool = [kv_type(*(torch.zeros(16, *tensors[f"{n}.0"].shape[1:], dtype=tensors[f"{n}.0"].dtype)
+                      for n in kv_type._fields))]
+    blocks = [14, 2, 9, 5, 11, 3, 7, 12, 1, 6]
+    kvfile.scatter(tensors, rows, pool, blocks)
+    for name in kv_type._fields:
+        for r, b in zip(rows, blocks):
+            assert torch.equal(getattr(pool[0], name)[b], tensors[f"{name}.0"][r])
+        assert not getattr(pool[0], name)[[b for b in range(16) if b not in blocks]].any()
+
