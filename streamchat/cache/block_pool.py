@@ -45,6 +45,8 @@ class BlockPool:
         self._meta: dict[int, CachedBlock] = {}  # block_id -> its hash and tokens
         self._by_hash: dict[int, int] = {}  # block_hash -> block_id
         self.num_cache_evictions = 0
+        self._cached_free = 0  # free blocks with a findable hash, kept as blocks move
+        self._shared = 0  # blocks with more than one reference
 
     @property
     def num_free(self) -> int:
@@ -61,15 +63,16 @@ class BlockPool:
 
     @property
     def num_cached_free(self) -> int:
-        """Free blocks that still hold a findable hash (the engine's figures ask each 0.2 s: a set
-        intersection in C, not a Python loop over every free block, 0.4 ms at 16,000 blocks)."""
-        return len(self._meta.keys() & self._free.keys())
+        """Free blocks that still hold a findable hash. Counted as blocks move: the engine's figures ask
+        after every command while it is idle, and a set intersection over the pool took 0.14 ms at
+        20,000 blocks, 0.86 at 100,000."""
+        return self._cached_free
 
     @property
     def num_shared(self) -> int:
-        """Blocks held by more than one owner."""
-        counts = self.ref_counts
-        return len(counts) - counts.count(0) - counts.count(1)
+        """Blocks held by more than one owner (counted as references come and go; counting the ref
+        counts took 0.24 ms at 20,000 blocks, 0.77 at 100,000)."""
+        return self._shared
 
     def allocate(self) -> int:
         """Take a free block (ref count 0 -> 1); a cached one loses its hash."""
@@ -78,6 +81,7 @@ class BlockPool:
         block_id, _ = self._free.popitem(last=False)
         if self._forget(block_id):
             self.num_cache_evictions += 1
+            self._cached_free -= 1
         self.ref_counts[block_id] = 1
         return block_id
 
@@ -86,7 +90,9 @@ class BlockPool:
         self._check_id(block_id)
         if self.ref_counts[block_id] == 0:
             del self._free[block_id]
+            self._cached_free -= block_id in self._meta
         self.ref_counts[block_id] += 1
+        self._shared += self.ref_counts[block_id] == 2
 
     def free(self, block_id: int) -> None:
         """Drop one reference; at zero the block joins the free queue."""
@@ -94,9 +100,12 @@ class BlockPool:
         if self.ref_counts[block_id] <= 0:
             raise ValueError(f"block {block_id} freed more often than referenced")
         self.ref_counts[block_id] -= 1
+        self._shared -= self.ref_counts[block_id] == 1
         if self.ref_counts[block_id] == 0:
             self._free[block_id] = None
-            if block_id not in self._meta:
+            if block_id in self._meta:
+                self._cached_free += 1
+            else:
                 self._free.move_to_end(block_id, last=False)
 
     def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> bool:
@@ -141,5 +150,7 @@ class BlockPool:
         assert len(used) + len(self._free) == self.num_usable, "free + used != total"
         assert not set(used) & set(self._free), "a block is both free and used"
         assert len(self._by_hash) == len(self._meta)
+        assert self._cached_free == len(self._meta.keys() & self._free.keys()), "cached-free count drifted"
+        assert self._shared == sum(1 for c in self.ref_counts if c > 1), "shared count drifted"
         for block_hash, block_id in self._by_hash.items():
             assert self._meta[block_id].block_hash == block_hash
