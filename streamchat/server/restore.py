@@ -106,21 +106,19 @@ class Restorer:
             if s.epoch == self.engine.epoch:
                 return None
             await self.engine.wait_ready()
-            epoch = self.engine.epoch
-            if s.epoch == NOT_OPENED and not s.stored:  # new: its instructions are the model's default
-                await self.hub.submit(api.OpenSession(s.id, await self.hub.tokens(self.hub.chat.system_prefix,
-                                                                                  s.instructions)))
-                s.epoch = epoch
-                return None
+            epoch, new = self.engine.epoch, s.epoch == NOT_OPENED
             restored_from = await self._reopen(s)
             s.epoch = epoch
+            if new:
+                return None
             log.info("session %s is back in the restarted engine (from %s)", s.id, restored_from)
             return restored_from
 
     async def _reopen(self, s: LiveSession) -> str:
         hub = self.hub
-        await hub.submit(api.CloseSession(s.id, keep_saved=True))  # nothing there, unless half restored
-        if not s.stored:
+        if s.epoch != NOT_OPENED:
+            await hub.submit(api.CloseSession(s.id, keep_saved=True))  # nothing there, unless half restored
+        if not s.stored:  # a new session, or one not stored yet
             await hub.submit(api.OpenSession(s.id, await hub.tokens(hub.chat.system_prefix, s.instructions)))
             return "transcript"
         items = await hub.store.items(s.id)

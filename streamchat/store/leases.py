@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -68,11 +69,16 @@ class Leases:
         # Built once with bound parameters: building a statement and its cache key each call cost as much
         # CPU as running it (acquire 0.92-1.13 -> 0.63-0.65 ms, renew 0.50 -> 0.37, release 0.56 -> 0.35;
         # SQLite on the 2-core EPYC, 40 sessions a figure).
-        self._acquire = None if dialect not in transaction.UPSERT_DIALECTS else _acquire_statement(dialect)
         this = (LeaseRow.session_id == bindparam("b_sid"), LeaseRow.owner == bindparam("b_owner"),
                 LeaseRow.epoch == bindparam("b_epoch"), LeaseRow.expires_at > bindparam("b_now"))
         self._renew = update(LeaseRow).where(*this).values(expires_at=bindparam("b_until"))
         self._release = update(LeaseRow).where(*this).values(expires_at=bindparam("b_now"))
+
+    @functools.cached_property
+    def _acquire(self):
+        """The compare-and-set that takes a lease, built at the first acquire (NotImplementedError there
+        for a database other than SQLite or PostgreSQL)."""
+        return _acquire_statement(self._dialect)
 
     def acquire(self, session_id: str, owner: str, lease_s: float) -> Lease | None:
         """Take the session's lease for `lease_s` seconds if it is free, expired or already `owner`'s.
@@ -82,8 +88,6 @@ class Leases:
         (1 for a session never leased). UnknownSession if there is no such session.
         """
         _check_lease_s(lease_s)
-        if self._acquire is None:
-            transaction.upsert(self._dialect, LeaseRow)  # raises: leases need SQLite or PostgreSQL
         now = self._clock()
         until = now + dt.timedelta(seconds=lease_s)
         params = {"b_sid": session_id, "b_owner": owner, "b_now": now, "b_until": until}

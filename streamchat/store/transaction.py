@@ -19,7 +19,6 @@ from streamchat.store.errors import translate_errors
 # The INSERT constructs with ON CONFLICT ... DO UPDATE ... WHERE (an atomic
 # compare-and-set on one row), which both backends spell the same way.
 _UPSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
-UPSERT_DIALECTS = frozenset(_UPSERTS)
 
 
 @contextlib.contextmanager

@@ -44,8 +44,9 @@ def test_corrupt_tensor_bytes_and_header_fail_the_checksum(written):
 
 def _rewritten(path, checksum) -> None:
     """Rewrite `path` with the same header and tensors under `checksum(header_json, tensors)`."""
-    doc, _, start = kvread._frame(path)
-    tensors = {k: v.clone() for k, v in kvread._load_tensors(path, doc, start)[0].items()}
+    with open(path, "rb") as f:
+        doc, _, start, end = kvread._frame(f)
+        tensors = {k: v.clone() for k, v in kvread._load_tensors(f, doc, start, end)[0].items()}
     write_raw(path, None, tensors, header_json=kvfile.read_header(path)[1]["streamchat"], checksum=checksum)
 
 
