@@ -81,6 +81,24 @@ def build_library(sources: list | None = None) -> ctypes.CDLL:
     return lib
 
 
+def bind_threads(n: int) -> list[int]:
+    """Bind torch's OpenMP team of `n` threads one to a CPU: thread i (the calling thread is thread 0) to
+    the i-th CPU this process may use. Only where that is every CPU it may use, 2 or more, on Linux with
+    the library loaded: with CPUs to spare the scheduler has somewhere else to put a thread, and more
+    threads than CPUs cannot each have one. Returns the CPUs bound, [] where nothing was. Why bind:
+    cpu_threads.c. Call it on the thread that runs the steps once the process's other threads have
+    started: a thread it starts later inherits its one CPU."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    lib = library() if 2 <= n == len(cpus) else None
+    if lib is None or not hasattr(lib, "bind_threads"):
+        return []
+    if lib.bind_threads((ctypes.c_int * n)(*cpus), n) != 0:
+        log.warning("the engine core's %d threads could not each be bound to a CPU; the scheduler places them", n)
+        os.sched_setaffinity(0, cpus)  # this thread at least (others may have been bound)
+        return []
+    return cpus
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     """The C signatures (cpu_decode.c, cpu_linear.c, cpu_mla.c, cpu_forward.c) of those the library has (a benchmark's
     older version may lack the newer ones)."""
@@ -93,6 +111,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "group_linear_x8": ([p, p, i, p, p, p, i, i, i], i),
         "group_dequantize": ([p, i, p, p, p, i, i], None),
         "rms_norm": ([p, p, p, i, i, f], None),
+        "bind_threads": ([p, i], i),
         "write_kv": ([p, p, p, p, i, p, p, p, i, i, i, i], None),
         "write_kv_int8": ([p, p, p, p, p, p, p, p, p, i, i, i, i], None),
         "mla_decode": ([p, p, i, p, i64, p, p, p, p, p, i64, p, p, i, i, i, i, i, i, i, f], i),

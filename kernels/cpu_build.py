@@ -1,5 +1,5 @@
-"""Building the CPU kernels (cpu_decode.c, cpu_mla.c, cpu_linear*.c, cpu_forward.c) once per machine, into a
-cache only this user can change.
+"""Building the CPU kernels (cpu_decode.c, cpu_mla.c, cpu_linear*.c, cpu_forward.c, cpu_threads.c) once per
+machine, into a cache only this user can change.
 
 Build: `$CC` (default `cc`) with -O3 -march=native -fopenmp into
 `$STREAMCHAT_KERNEL_CACHE` (default ~/.cache/streamchat/kernels, made 0700),
@@ -29,7 +29,8 @@ from streamchat import private_files
 log = logging.getLogger("streamchat.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_decode.c", "cpu_mla.c", "cpu_linear.c", "cpu_linear_x8.c", "cpu_forward.c")]
+           for name in ("cpu_decode.c", "cpu_mla.c", "cpu_linear.c", "cpu_linear_x8.c", "cpu_forward.c",
+                        "cpu_threads.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_linear.h", "cpu_decode.h")]  # part of the build's key
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 

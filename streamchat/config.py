@@ -37,6 +37,7 @@ class ModelConfig:
     device: str = "auto"  # auto: cuda if available, else cpu
     attention_backend: str = "auto"  # auto: triton on cuda; cpu (C decode kernel) elsewhere, torch without cc
     num_threads: int = 0  # torch intra-op threads; 0: one per core
+    bind_threads: bool = True  # CPU: the engine core's threads one to a CPU, when they are as many as its CPUs
     cache_dir: str | None = None  # converted checkpoints; None: XDG cache
     # How the linear layers' weights are served: "bf16" is dense in `dtype` (the
     # issue's name; float32 on CPUs without bf16), int8 per channel, int4 in

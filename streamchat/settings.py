@@ -37,6 +37,9 @@ HELP = {
                          "cpu, torch (the pure-torch reference) or triton",
     "cuda_graphs": "replay decode steps as one CUDA graph per batch-size bucket (CUDA with Triton attention "
                    "only; ignored elsewhere); false: launch every kernel eagerly",
+    "bind_threads": "on CPU, bind the engine core's decode threads one to a CPU when they are as many as the "
+                    "CPUs it may use (Linux), so that other work on the machine delays a step less; false: the "
+                    "scheduler places them",
     "database_url": "SQLAlchemy URL of the session store",
     "allowed_origins": "comma-separated Origin allow-list; empty: no Origin or the daemon's own; '*': any (unsafe)",
     "allowed_hosts": "comma-separated Host names accepted besides loopback ones when bound to loopback",

@@ -85,7 +85,8 @@ class EngineCore:
 
                 self.engine = build_engine(self.config)
                 freeze_startup_heap()
-            self.outbox.put([wire.READY, wire.encode(core_info(self.engine, self.config))])
+            self.bound_cpus = self._bind_threads()
+            self.outbox.put([wire.READY, wire.encode(core_info(self.engine, self.config, self.bound_cpus))])
         except BaseException as exc:  # noqa: BLE001 - the front must hear why, then we exit
             from streamchat.config import ConfigError
             from streamchat.errors import user_message
@@ -104,6 +105,19 @@ class EngineCore:
             return self._fatal(f"engine core failed: {exc!r}", 3)
         self._close()
         return code
+
+    def _bind_threads(self) -> list[int]:
+        """The step's threads one to a CPU (kernels/cpu.py `bind_threads`) where this core owns its process
+        (it runs on the main thread: not a core in a thread of a test), last: every thread of ours has
+        started (a thread this one started from now on would inherit its CPU)."""
+        if (not self.config.model.bind_threads or self.engine.runner.model.device.type != "cpu"
+                or threading.current_thread() is not threading.main_thread()):
+            return []
+        import torch
+
+        from streamchat.kernels.cpu import bind_threads
+
+        return bind_threads(torch.get_num_threads())
 
     def _loop(self) -> int:
         eng = self.engine
@@ -257,7 +271,7 @@ def build_engine(config):
     return Engine(runner, cache, config.scheduler, tiers=config.tiers, data_dir=data_dir, sync_io=False)
 
 
-def core_info(engine, config) -> wire.CoreInfo:
+def core_info(engine, config, bound_cpus: list[int]) -> wire.CoreInfo:
     import torch
 
     from streamchat.engine.figures import take_snapshot
@@ -271,6 +285,6 @@ def core_info(engine, config) -> wire.CoreInfo:
         model_folder=str(loaded.source.folder), tokenizer_json=export_tokenizer(loaded.tokenizer),
         frames=engine.chat.frames, device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
         weights=loaded.weights, activations=config.model.decode_activations, threads=torch.get_num_threads(),
-        attention=model.backend.name, kv_dtype=engine.runner.kv_dtype,
+        bound_cpus=bound_cpus, attention=model.backend.name, kv_dtype=engine.runner.kv_dtype,
         kv_dtype_reason=engine.runner.kv_dtype_reason, data_dir=data_dir,
         snapshot=take_snapshot(engine))

@@ -58,6 +58,7 @@ class CoreInfo:
     weights: str
     activations: str  # decode rows' products with grouped weights: float32 or int8
     threads: int  # torch's intra-op threads in the core (--num-threads, or torch's default)
+    bound_cpus: list[int]  # thread i runs on bound_cpus[i] only (--bind-threads); [] where not bound
     attention: str
     kv_dtype: str  # as served (auto resolved)
     kv_dtype_reason: str  # why: as configured, or what auto measured

@@ -109,7 +109,8 @@ class Daemon:
             "model_path": info.model_path, "served_model_names": list(self.served_names),
             "any_model_name": self.any_model_name, "engine_pid": info.pid,
             "device": info.device, "dtype": info.dtype, "weights": info.weights,
-            "decode_activations": info.activations, "threads": info.threads, "attention": info.attention,
+            "decode_activations": info.activations, "threads": info.threads, "bound_cpus": info.bound_cpus,
+            "attention": info.attention,
             "kv_blocks": snap.kv_blocks_total, "kv_block_tokens": cfg.cache.block_size,
             "kv_bytes": snap.kv_blocks_total * snap.kv_bytes_per_block, "kv_dtype": info.kv_dtype,
             "kv_dtype_reason": info.kv_dtype_reason,
@@ -125,7 +126,8 @@ class Daemon:
         rows = {
             "model": f"{f['model']} from {f['model_path']}; clients may name it: {names}",
             "compute": f"{f['device']}, {f['dtype']}, {f['weights']} weights ({f['decode_activations']} decode "
-                       f"activations), {f['attention']} attention, {f['threads']} threads "
+                       f"activations), {f['attention']} attention, {f['threads']} threads"
+                       f"{' bound to CPUs ' + ','.join(map(str, f['bound_cpus'])) if f['bound_cpus'] else ''} "
                        f"(engine core pid {f['engine_pid']})",
             "kv pool": f"{f['kv_blocks']} blocks of {f['kv_block_tokens']} tokens, "
                        f"{f['kv_bytes'] / 2**20:.1f} MiB ({f['kv_dtype']} kv dtype: {f['kv_dtype_reason']}); "

@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import time
@@ -138,6 +139,9 @@ def test_pool_flags_show_in_healthz_and_the_ready_record(stored):
     [ready] = [r for r in log_records(stored) if r["message"].startswith("streamchat ready on")]
     assert ready["attention"] == "torch" and ready["kv_dtype"] == "int8" and ready["device"] == "cpu"
     assert ready["address"] == f"ws://0.0.0.0:{stored.port}/v1/realtime"
+    cpus = sorted(os.sched_getaffinity(0))  # the daemon's too: it inherits them
+    one_per_cpu = ready["threads"] == len(cpus) >= 2 and shutil.which(os.environ.get("CC", "cc"))
+    assert ready["bound_cpus"] == (cpus if one_per_cpu else []), (ready["threads"], cpus)  # --bind-threads
     assert ready["kv_bytes"] == (fits - 1) * per_token * 16
     debug = [r for r in log_records(stored) if r["level"] == "DEBUG"]
     assert any(r["logger"] == "streamchat.model.runner" and "torch attention" in r["message"] for r in debug)
@@ -460,6 +464,7 @@ def test_tuned_daemon_computes_as_its_flags_ask(tuned):
 
     [ready] = [r for r in log_records(tuned) if r["message"].startswith("streamchat ready on")]
     assert (ready["threads"], ready["weights"], ready["decode_activations"]) == (1, "int8", "int8"), ready
+    assert ready["bound_cpus"] == []  # one thread: nothing to bind
     assert ready["kv_dtype"] == "fp8" and ready["kv_block_tokens"] == TUNED_BLOCK
     h = health(tuned)
     assert h["kv_bytes_per_token"] == quant.bytes_per_token("fp8", torch.float32, 30, 3, 64)
