@@ -44,6 +44,7 @@ per-layer specs).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import json
@@ -177,9 +178,41 @@ def gather(caches, block_ids: list[int]) -> dict[str, torch.Tensor]:
     return out
 
 
+# memmove called without giving up the GIL (PyDLL): on the step's thread a release lets another thread take
+# the GIL, and the step waits up to the switch interval (5 ms) to get it back.
+_memmove = ctypes.PyDLL(None).memmove
+_memmove.argtypes, _memmove.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
+
+
+def copy_rows(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int]) -> bool:
+    """dst[dst_rows[i]] = src[src_rows[i]] for each i, row by row with memmove, where both are contiguous CPU
+    tensors of one dtype and row shape (else False: nothing copied, the caller copies with torch). For
+    a few rows: one block of 30 int8 layers with their scales (120 tensors) went into a pool in 0.48 ms
+    against 0.84 by index_copy_, 7 blocks 0.85 against 2.0 (`scatter`, one process, alternating).
+    IndexError for a row out of range, as torch would raise, before anything is copied."""
+    if (not dst.is_cpu or not src.is_cpu or dst.dtype != src.dtype or dst.dim() == 0
+            or dst.shape[1:] != src.shape[1:] or not dst.is_contiguous() or not src.is_contiguous()):
+        return False
+    if len(dst_rows) != len(src_rows):
+        raise ValueError(f"{len(dst_rows)} rows into {len(src_rows)}")
+    if not dst_rows:
+        return True
+    if min(dst_rows) < 0 or max(dst_rows) >= len(dst) or min(src_rows) < 0 or max(src_rows) >= len(src):
+        raise IndexError(f"rows {dst_rows} of {len(dst)} from rows {src_rows} of {len(src)}")
+    n = dst.numel() // len(dst) * dst.element_size()  # a row's bytes
+    to, frm = dst.data_ptr(), src.data_ptr()
+    for d, r in zip(dst_rows, src_rows):
+        _memmove(to + d * n, frm + r * n, n)
+    return True
+
+
 def scatter(tensors: dict[str, torch.Tensor], rows: list[int], caches, block_ids: list[int]) -> None:
     """Write rows `rows` of snapshot tensors into pool blocks `block_ids` (same length). Runs on the engine
     core's step thread: rows that follow each other (a page-in's usual case) are read where they lie."""
+    if len(rows) < WORD_ROWS and all(copy_rows(t, block_ids, tensors[f"{name}.{layer}"], rows)
+                                     for layer, kv in enumerate(caches) for name, t in zip(kv._fields, kv)
+                                     if t is not None):
+        return
     run = rows == list(range(rows[0], rows[0] + len(rows))) if rows else False  # most page-ins: a view, no copy
     dst = {}
     for layer, kv in enumerate(caches):

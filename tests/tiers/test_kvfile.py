@@ -243,3 +243,24 @@ def test_scatter_of_many_rows_moves_words_and_lands_them_exactly(rows):
             assert torch.equal(getattr(pool[0], name)[b], tensors[f"{name}.0"][r])
         assert not getattr(pool[0], name)[[b for b in range(16) if b not in blocks]].any()
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+def test_copy_rows_moves_a_few_rows_exactly_and_refuses_what_it_cannot(dtype):
+    """A few rows by memmove land bit for bit in any dtype; a tensor that is not contiguous, or of another
+    dtype, is left to torch (False, nothing written); a row out of range raises before anything moves."""
+    g = torch.Generator().manual_seed(7)
+    src = torch.randn(6, 4, 3, generator=g).mul(20).to(dtype)
+    dst = torch.zeros(10, 4, 3, dtype=dtype)
+    assert kvfile.copy_rows(dst, [9, 0, 4], src, [5, 2, 2])
+    for d, r in ((9, 5), (0, 2), (4, 2)):
+        assert torch.equal(dst[d].view(torch.uint8), src[r].view(torch.uint8))
+    assert not dst[[1, 2, 3, 5, 6, 7, 8]].view(torch.uint8).any()
+    fresh = torch.zeros(10, 4, 3, dtype=dtype)
+    assert not kvfile.copy_rows(fresh[:, :, :2], [1], src[:, :, :2], [1])  # not contiguous
+    assert not kvfile.copy_rows(fresh, [1], src.view(torch.uint8) if dtype.itemsize == 1 else src.float().half(), [1])
+    with pytest.raises(IndexError):
+        kvfile.copy_rows(fresh, [3, 10], src, [0, 1])
+    with pytest.raises(IndexError):
+        kvfile.copy_rows(fresh, [3, 4], src, [0, 6])
+    assert not fresh.view(torch.uint8).any()
