@@ -6,7 +6,7 @@
  * turns on one CPU while the other runs the foreign work: each in turn spins at the region's barrier,
  * holding the CPU its partner needs (perf sched showed ~0.75 ms turns). One session's step, in
  * process, beside a process that burns 5 ms of CPU every ~100 ms: each ms of that CPU made the step
- * 2.0-2.2 ms later; with each thread bound to a CPU of its own, 1.0-1.1 ms (docs/kernels.md).
+ * 2.0-2.2 ms later; with each thread on a CPU of its own, 1.0-1.1 ms (docs/kernels.md).
  *
  *   bind_threads(cpus, n)   OpenMP thread i of a team of n (torch's team: one runtime, one pool of
  *                           threads) runs on cpus[i] only, from now on; 0, or -1 where the team was
