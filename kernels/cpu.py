@@ -90,7 +90,7 @@ def bind_threads(n: int) -> list[int]:
     started: a thread it starts later inherits its one CPU."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     lib = library() if 2 <= n == len(cpus) else None
-    if lib is None or not hasattr(lib, "bind_threads"):
+    if lib is None:
         return []
     if lib.bind_threads((ctypes.c_int * n)(*cpus), n) != 0:
         log.warning("the engine core's %d threads could not each be bound to a CPU; the scheduler places them", n)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from streamchat.cache.block_pool import BlockPool
-from streamchat.tiers.kvfile import SeqState, byte_view, words
+from streamchat.tiers.kvfile import WORD_ROWS, SeqState, byte_view, copy_rows, words
 
 
 @dataclass
@@ -43,13 +43,16 @@ def copy_blocks(src_caches, src_ids: list[int], dst_caches, dst_ids: list[int], 
     if not src_ids:
         return
     if stream is None:
+        few, si, di = len(src_ids) < WORD_ROWS, None, None
         for src, dst in zip(src_caches, dst_caches):
-            si = torch.tensor(src_ids, dtype=torch.long, device=src[0].device)
-            di = torch.tensor(dst_ids, dtype=torch.long, device=dst[0].device)
             for s, d in zip(src, dst):
-                if s is not None:
-                    src_rows, dst_rows = words(s, d, copied=len(src_ids))
-                    dst_rows.index_copy_(0, di, src_rows.index_select(0, si).to(d.device))
+                if s is None or (few and copy_rows(d, dst_ids, s, src_ids)):
+                    continue
+                if si is None:  # one device a side for every layer; built only if a copy needs them
+                    si = torch.tensor(src_ids, dtype=torch.long, device=s.device)
+                    di = torch.tensor(dst_ids, dtype=torch.long, device=d.device)
+                src_rows, dst_rows = words(s, d, copied=len(src_ids))
+                dst_rows.index_copy_(0, di, src_rows.index_select(0, si).to(d.device))
         return
     current = torch.cuda.current_stream(stream.device)
     stream.wait_stream(current)

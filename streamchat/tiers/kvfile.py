@@ -208,24 +208,25 @@ def copy_rows(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_row
 
 def scatter(tensors: dict[str, torch.Tensor], rows: list[int], caches, block_ids: list[int]) -> None:
     """Write rows `rows` of snapshot tensors into pool blocks `block_ids` (same length). Runs on the engine
-    core's step thread: rows that follow each other (a page-in's usual case) are read where they lie."""
-    if len(rows) < WORD_ROWS and all(copy_rows(t, block_ids, tensors[f"{name}.{layer}"], rows)
-                                     for layer, kv in enumerate(caches) for name, t in zip(kv._fields, kv)
-                                     if t is not None):
-        return
+    core's step thread: a few rows go by `copy_rows`; rows that follow each other (a page-in's usual case)
+    are read where they lie."""
+    few = len(rows) < WORD_ROWS
     run = rows == list(range(rows[0], rows[0] + len(rows))) if rows else False  # most page-ins: a view, no copy
-    dst = {}
+    dst, src = {}, None  # the index tensors, built once and only if a copy needs them
     for layer, kv in enumerate(caches):
-        dev = kv[0].device
-        if dev not in dst:
-            dst[dev] = torch.tensor(block_ids, dtype=torch.long, device=dev)
-        src = None if run else torch.tensor(rows, dtype=torch.long)
         for name, t in zip(kv._fields, kv):
-            if t is not None:
-                whole = tensors[f"{name}.{layer}"]
-                rows_of = whole.narrow(0, rows[0], len(rows)) if run else whole.index_select(0, src)
-                pool_rows, new_rows = words(t, rows_of.to(dev), copied=len(rows))
-                pool_rows.index_copy_(0, dst[dev], new_rows)
+            if t is None:
+                continue
+            whole = tensors[f"{name}.{layer}"]
+            if few and copy_rows(t, block_ids, whole, rows):
+                continue
+            if t.device not in dst:
+                dst[t.device] = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+            if not run and src is None:
+                src = torch.tensor(rows, dtype=torch.long)
+            rows_of = whole.narrow(0, rows[0], len(rows)) if run else whole.index_select(0, src)
+            pool_rows, new_rows = words(t, rows_of.to(t.device), copied=len(rows))
+            pool_rows.index_copy_(0, dst[t.device], new_rows)
 
 
 def expected_tensors(layout: KVLayout) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
