@@ -25,6 +25,7 @@ from streamchat.config import FleetConfig
 from streamchat.store import StoreError
 from streamchat.store.errors import LEASE_LOST
 from streamchat.store.leases import Lease
+from streamchat.store.records import ItemRecord, SessionRecord
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,19 @@ class Fleet:
 
     async def take(self, session_id: str) -> Lease:
         """Take the session's lease (compare-and-set); SessionLeased while another daemon's runs."""
-        lease = await self.store.leases.acquire(session_id, self.id, self.cfg.lease_s)
+        return await self._hold(session_id, await self.store.leases.acquire(session_id, self.id, self.cfg.lease_s))
+
+    async def take_session(self, session_id: str,
+                           admits: Callable[[SessionRecord], bool]) -> tuple[SessionRecord, list[ItemRecord]]:
+        """Take the session's lease and read it and its items under the lease, in one store call
+        (`Store.take_session`); UnknownSession if there is none or `admits(session)` is false, SessionLeased
+        while another daemon's lease runs."""
+        got = await self.store.take_session(session_id, self.id, self.cfg.lease_s, admits)
+        lease, record, items = got if got is not None else (None, None, [])
+        await self._hold(session_id, lease)
+        return record, items
+
+    async def _hold(self, session_id: str, lease: Lease | None) -> Lease:
         if lease is None:
             raise SessionLeased(session_id, await self.store.leases.get(session_id))
         self.leases[session_id] = lease

@@ -30,7 +30,7 @@ from streamchat.engine import api
 from streamchat.model.sampling_params import resolve_params
 from streamchat.server.fleet import SessionLeased
 from streamchat.server.protocol import SESSION_SAMPLING_FIELDS
-from streamchat.store import verify_token
+from streamchat.store import UnknownSession, verify_token
 
 if TYPE_CHECKING:
     from streamchat.server.sessions import Hub, LiveSession
@@ -187,22 +187,21 @@ class Restorer:
             if not (live.stored and verify_token(token, live.token_hash)):
                 raise SessionNotFound
             return live, "memory"
-        record = await hub.store.get_session(session_id)
-        if record is None or not verify_token(token, record.token_hash):
-            raise SessionNotFound
-        await hub.fleet.take(session_id)  # before reading: no earlier holder can write after this
+        try:  # read under the lease: no earlier holder can write after it
+            record, items = await hub.fleet.take_session(session_id, lambda r: verify_token(token, r.token_hash))
+        except UnknownSession:  # none, or the wrong token: no lease taken
+            raise SessionNotFound from None
         try:
-            return await self._open_leased(session_id)
+            return await self._open_leased(record, items)
         except BaseException:
             await hub.fleet.release(session_id)
             raise
 
-    async def _open_leased(self, session_id: str) -> tuple[LiveSession, str]:
-        """Open a stored session whose lease this daemon has just taken, as the store holds it now."""
+    async def _open_leased(self, record, items) -> tuple[LiveSession, str]:
+        """Open a stored session whose lease this daemon has just taken, as the store held it then."""
         from streamchat.server.sessions import LiveSession
 
         hub = self.hub
-        record, items = await hub.store.session_with_items(session_id)  # again: an earlier holder may have written
         s = LiveSession(record.id, record.token_hash, None, record.instructions,
                         record.settings.get("max_output_tokens", "inf"), self._stored_sampling(record), stored=True)
         s.last_item_id = items[-1].item_id if items else None
@@ -301,6 +300,5 @@ class Restorer:
         fleet = self.hub.fleet
         if not await fleet.confirm(s.id):
             return None
-        record = await self.hub.store.get_session(s.id)
-        mark = transcript_mark(record.instructions if record else s.instructions, await self.hub.store.items(s.id))
-        return f"{mark}@{fleet.epoch_of(s.id) or 0}"
+        record, items = await self.hub.store.session_with_items(s.id)
+        return f"{transcript_mark(record.instructions, items)}@{fleet.epoch_of(s.id) or 0}"

@@ -135,6 +135,11 @@ class AsyncStore:
         """See `Store.session_with_items`."""
         return await self._call(self._store.session_with_items, session_id)
 
+    async def take_session(self, session_id: str, owner: str, lease_s: float,
+                           admits: Callable[[SessionRecord], bool]) -> tuple[Lease, SessionRecord, list[ItemRecord]] | None:
+        """See `Store.take_session` (`admits` runs on the store's thread)."""
+        return await self._call(self._store.take_session, session_id, owner, lease_s, admits)
+
     async def aclose(self) -> None:
         """Wait for every queued call, close the store, then stop the worker thread."""
         try:

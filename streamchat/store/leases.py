@@ -87,15 +87,21 @@ class Leases:
         already held the lease (even one that lapsed), else it goes up by one
         (1 for a session never leased). UnknownSession if there is no such session.
         """
+        _check_lease_s(lease_s)  # before the transaction begins
+        try:
+            with transaction.write(self._sessions) as db:
+                return self.acquire_in(db, session_id, owner, lease_s)
+        except IntegrityError as exc:  # the lease row's foreign key: no such session
+            raise UnknownSession(session_id) from exc
+
+    def acquire_in(self, db: Session, session_id: str, owner: str, lease_s: float) -> Lease | None:
+        """`acquire`'s compare-and-set inside the caller's write transaction (its first statement: it
+        takes the write lock), holding once that commits; IntegrityError if there is no such session."""
         _check_lease_s(lease_s)
         now = self._clock()
         until = now + dt.timedelta(seconds=lease_s)
         params = {"b_sid": session_id, "b_owner": owner, "b_now": now, "b_until": until}
-        try:
-            with transaction.write(self._sessions) as db:
-                epoch = db.execute(self._acquire, params).scalar_one_or_none()
-        except IntegrityError as exc:  # the lease row's foreign key: no such session
-            raise UnknownSession(session_id) from exc
+        epoch = db.execute(self._acquire, params).scalar_one_or_none()
         if epoch is None:
             return None
         logger.debug("lease on %s taken by %s at epoch %d", session_id, owner, epoch)

@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from streamchat.store import transaction
 from streamchat.store.database import make_engine
 from streamchat.store.errors import translate_errors
-from streamchat.store.leases import Leases, fence
+from streamchat.store.leases import Lease, Leases, fence
 from streamchat.store.migrate import check_writable, upgrade_to_head
 from streamchat.store.models import ItemRow, SessionRow
 from streamchat.store.records import (
@@ -275,13 +275,36 @@ class Store:
             return records
 
     def session_with_items(self, session_id: str) -> tuple[SessionRecord, list[ItemRecord]]:
-        """The committed session and its items in seq order, as one transaction saw them (a resume
+        """The committed session and its items in seq order, as one transaction saw them (a save's mark
         reads both: one read instead of two); UnknownSession if there is no such session."""
         with self._read() as db:
             row = db.get(SessionRow, session_id)
             if row is None:
                 raise UnknownSession(session_id)
             return SessionRecord.from_row(row), _item_records(db, session_id)
+
+    def take_session(self, session_id: str, owner: str, lease_s: float,
+                     admits: Callable[[SessionRecord], bool]) -> tuple[Lease, SessionRecord, list[ItemRecord]] | None:
+        """A resume's store work in one write transaction: take the session's lease for `owner` (as
+        `leases.acquire`), then read the session and its items under it, so no earlier holder's write
+        can land between them. UnknownSession, with nothing changed, if there is no such session or
+        `admits(session)` is false (a wrong resume token takes no lease and learns nothing); None
+        while another owner's lease runs. One commit and one trip to the store's thread, where a
+        read, the lease and a second read took three."""
+        try:
+            with self._write() as db:
+                lease = self.leases.acquire_in(db, session_id, owner, lease_s)
+                row = db.get(SessionRow, session_id)
+                record = None if row is None else SessionRecord.from_row(row)
+                if record is None or not admits(record):
+                    raise _NotAdmitted  # rolled back: the lease is not taken
+                return None if lease is None else (lease, record, _item_records(db, session_id))
+        except (IntegrityError, _NotAdmitted):  # IntegrityError: the lease row's foreign key
+            raise UnknownSession(session_id) from None
+
+
+class _NotAdmitted(Exception):
+    """take_session: the session may not be taken; its transaction rolls back."""
 
 
 def _item_records(db: Session, session_id: str) -> list[ItemRecord]:

@@ -67,6 +67,39 @@ def test_expired_lease_is_taken_over(store: Store, clock: ManualClock) -> None:
     assert store.leases.acquire("sess_a", "d1", 15) == Lease("sess_a", "d1", 3, at(45), 15)
 
 
+def test_take_session_leases_then_reads_in_one_call(store: Store, clock: ManualClock) -> None:
+    """A resume's take: the lease as acquire() takes it, and the session and its items as they are under it."""
+    seen = []
+    lease, record, items = store.take_session("sess_a", "d1", 15, lambda r: seen.append(r.token_hash) or True)
+    assert lease == Lease("sess_a", "d1", 1, at(15), 15) and seen == ["h"]
+    assert (record, items) == _content(store)
+    assert store.leases.get("sess_a") == Lease("sess_a", "d1", 1, at(15), 0.0)
+    clock.advance(5)
+    assert store.take_session("sess_a", "d1", 15, lambda r: True)[0] == Lease("sess_a", "d1", 1, at(20), 15)
+    clock.advance(15)  # lapsed: another owner takes it at the next epoch
+    assert store.take_session("sess_a", "d2", 15, lambda r: True)[0] == Lease("sess_a", "d2", 2, at(35), 15)
+
+
+def test_take_session_refused_takes_nothing_and_tells_nothing(store: Store, clock: ManualClock) -> None:
+    """A session the caller may not have (a wrong token) is UnknownSession, as a missing one is, and its lease
+    row stays as it was, never leased or another owner's; a running lease of another owner is None only to a
+    caller the session admits."""
+    with pytest.raises(UnknownSession):
+        store.take_session("sess_a", "d1", 15, lambda r: False)
+    assert store.leases.get("sess_a") is None
+    with pytest.raises(UnknownSession):
+        store.take_session("sess_x", "d1", 15, lambda r: True)
+    store.leases.acquire("sess_a", "d1", 15)
+    clock.advance(1)
+    with pytest.raises(UnknownSession):
+        store.take_session("sess_a", "d2", 15, lambda r: False)
+    assert store.take_session("sess_a", "d2", 15, lambda r: True) is None
+    clock.advance(14)  # lapsed, and still refused: the epoch does not move
+    with pytest.raises(UnknownSession):
+        store.take_session("sess_a", "d2", 15, lambda r: False)
+    assert store.leases.get("sess_a") == Lease("sess_a", "d1", 1, at(15), 0.0)
+
+
 def test_renew_extends_a_running_lease_only(store: Store, clock: ManualClock) -> None:
     """renew() moves a running lease's expiry to now + lease_s; a lapsed or released one stays ended (acquire again)."""
     lease = store.leases.acquire("sess_a", "d1", 15)

@@ -141,8 +141,10 @@ def test_items_in_seq_order(store: Store) -> None:
     assert store.get_session("sess_a").num_items == 3
     assert store.get_session("sess_a").last_active_at == T0 + dt.timedelta(seconds=3)
     assert store.session_with_items("sess_a") == (store.get_session("sess_a"), store.items("sess_a"))
+    assert store.take_session("sess_a", "d1", 15, lambda r: True)[1:] == store.session_with_items("sess_a")
     store.create_session("sess_b", "h", "", {})
     assert store.session_with_items("sess_b") == (store.get_session("sess_b"), [])
+    assert store.take_session("sess_b", "d1", 15, lambda r: True)[1:] == (store.get_session("sess_b"), [])
 
 
 def test_append_text_concatenates(store: Store) -> None:
@@ -199,6 +201,7 @@ def test_finish_item_closes_it(store: Store) -> None:
         lambda s: s.finish_item("sess_x", "item_1", status="completed"),
         lambda s: s.items("sess_x"),
         lambda s: s.session_with_items("sess_x"),
+        lambda s: s.take_session("sess_x", "d1", 15, lambda r: True),
     ],
 )
 def test_unknown_session_raises(store: Store, call) -> None:
