@@ -28,8 +28,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamchat.priority import lower_priority
 from streamchat.tiers import datadir, kvfile
-from streamchat.tiers.idle_worker import IdleWorker, lower_priority
+from streamchat.tiers.idle_worker import IdleWorker
 from streamchat.tiers.kvfile import ANY_MARK, KVFileError, KVLayout, Snapshot
 
 log = logging.getLogger(__name__)

@@ -28,9 +28,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from streamchat.priority import lower_priority
+
 log = logging.getLogger(__name__)
 
-BACKGROUND_NICE = 10  # the rescuing thread's priority (and the disk writer's): Linux nice, per thread
 RESCUE_AFTER_S = 0.5  # a job queued this long and not finished is run again at BACKGROUND_NICE
 
 
@@ -126,16 +127,3 @@ class IdleWorker:
                 self.num_rescued += 1
             self._cv.notify_all()
         job.done(result)
-
-
-def lower_priority(idle: bool) -> None:
-    """This thread at SCHED_IDLE (`idle`; nice 19 where that class is missing), else at BACKGROUND_NICE.
-    A thread may always lower its own priority; off Linux this does nothing."""
-    tid = threading.get_native_id()
-    try:
-        if idle and hasattr(os, "SCHED_IDLE"):
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            return
-        os.setpriority(os.PRIO_PROCESS, tid, 19 if idle else BACKGROUND_NICE)
-    except (AttributeError, OSError):
-        pass

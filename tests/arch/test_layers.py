@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # one unit; the kernels, client and migrations folders are mapped into the package (pyproject).
 LAYERS = {
     "streamchat.config": 0, "streamchat.logs": 0, "streamchat.private_files": 0, "streamchat.settings": 0,
+    "streamchat.priority": 0,
     "streamchat.cache": 1, "streamchat.text": 1,
     "streamchat.kernels": 2, "streamchat.store": 2, "streamchat.migrations": 2,
     "streamchat.model": 3, "streamchat.errors": 3,

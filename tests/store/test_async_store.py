@@ -6,6 +6,7 @@ Tests taking `url` run on SQLite and on PostgreSQL; those injecting faults use S
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import logging
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import faults
 import pytest
 
+from streamchat.priority import BACKGROUND_NICE
 from streamchat.store import AsyncStore, Store, StoreError
 
 
@@ -50,6 +52,21 @@ def test_runs_off_the_event_loop_thread(url: str) -> None:
     asyncio.run(main())
     assert len(set(seen)) == 1 and seen[0] != threading.main_thread().name
     assert seen[0].startswith("streamchat-store")
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="Linux thread priorities")
+def test_the_worker_gives_way_to_the_step(tmp_path: Path) -> None:
+    """The worker thread runs at BACKGROUND_NICE (or lower), the caller's thread where it was."""
+    astore = AsyncStore(Store(f"sqlite:///{tmp_path / 'p.db'}"))
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def main() -> int:
+        nice = await astore._call(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        await astore.aclose()
+        return nice
+
+    assert asyncio.run(main()) >= max(BACKGROUND_NICE, before)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
 def test_cancelled_caller_still_writes(url: str) -> None:

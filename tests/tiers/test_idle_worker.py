@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from streamchat.tiers.idle_worker import BACKGROUND_NICE, IdleWorker
+from streamchat.priority import BACKGROUND_NICE
+from streamchat.tiers.idle_worker import IdleWorker
 
 
 def wait_for(cond, timeout_s: float = 20.0) -> None:  # a bound for a saturated machine, not a timing
