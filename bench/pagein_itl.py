@@ -6,8 +6,12 @@
 The daemon runs on its defaults plus `--session-idle-release-s 1 --checkpoint-idle-s 0`,
 so a session whose client leaves is saved to disk and leaves memory a second
 later. Each round, --sessions sessions bring about --history tokens of the
-shipped Botchan text and leave; once /healthz counts none in memory, one
-session streams two greedy replies of --tokens tokens in turn:
+shipped Botchan text and leave; once /healthz counts none in memory, two
+new sessions each stream one greedy reply of --tokens tokens to the same
+prompt, in turn (the same context and the same tokens, so only what happens
+beside them differs; until 2026-12-07 one session streamed both, and its
+second reply, over the first one's context, ran 7.5% slower by itself:
+median of 6 pairs, ad hoc, against 1.01x for a second new session):
 
     quiet     nothing else happens
     resumes   after its 20th token, the saved sessions are resumed one after
@@ -20,6 +24,7 @@ session streams two greedy replies of --tokens tokens in turn:
 The disk files are read and checked on the engine core's I/O thread, never
 inside a step, so the gaps between the second reply's tokens while the
 resumes run should be those of the first (target: median within 20%).
+Both sessions stay connected (in memory) until the round ends.
 Printed per round and pooled: the median and p90 gap of the quiet reply
 (after its 5th token), of the resumed one while the resumes ran, their ratio,
 and the resumes' wall time. The host's speed drifts between the two replies
@@ -207,8 +212,9 @@ async def one_round(url: str, texts: list[str], tokens: int, same_loop: bool = F
         ws, _ = await connect(url)
         quiet: list[float] = []
         await stream(ws, tokens, quiet)
+        ws2, _ = await connect(url)  # a session of its own: the quiet reply's context, not twice as long
         busy: list[float] = []
-        task = asyncio.create_task(stream(ws, tokens, busy))
+        task = asyncio.create_task(stream(ws2, tokens, busy))
         while len(busy) < RESUME_AFTER and not task.done():
             await asyncio.sleep(0.005)
         pids = {**(pids or {}), "resumer": os.getpid() if same_loop else resumer.proc.pid}
@@ -222,6 +228,7 @@ async def one_round(url: str, texts: list[str], tokens: int, same_loop: bool = F
         cpu1 = cpu_ms(pids)
         done = await task
     await ws.close()
+    await ws2.close()
     during = gaps(busy, t0, t1, skip=0)
     if done["status"] not in ("completed", "incomplete") or not busy or busy[-1] < t1:
         print("  the reply ended before the resumes did: raise --tokens", file=sys.stderr)
