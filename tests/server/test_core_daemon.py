@@ -148,7 +148,7 @@ def test_an_http_completion_cut_by_a_core_restart_is_503_with_retry_after(tmp_pa
 def test_files_are_read_off_the_step_loop(tmp_path):
     """Sessions resumed from disk while another streams: all three come back from disk and the stream keeps
     delivering tokens while they do (the read itself is shown to run on the reader thread in
-    tests/tiers/test_pager.py; how much it costs the stream is bench/longchat.py's to measure)."""
+    tests/tiers/test_pager.py; how much it costs the stream is bench/pagein_itl.py's to measure)."""
     db = tmp_path / "s.db"
     text = BOTCHAN.read_text()[20000:24000]  # about 1,000 tokens a session
     d = Daemon(db, "--window-tokens", "1024", "--session-idle-release-s", "1", "--checkpoint-idle-s", "0").start()
