@@ -22,7 +22,6 @@ available the first thread runs at nice 19.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
